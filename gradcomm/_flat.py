@@ -1,0 +1,123 @@
+"""Fused flat buffers: many leaves of one dtype in one array, with per-leaf reductions.
+
+A collective per leaf per step is what makes a model with hundreds of leaves slow, so
+methods that exchange whole leaves pack them into one buffer of shape `(rows, blocks,
+block)`. Each leaf is split into `rows` equal parts (zero-padded), one per row, so that
+every row has the same per-leaf structure: a method that halves or scatters rows across
+devices keeps a static map from blocks to leaves. A leaf owns whole blocks of `block`
+elements, which makes per-leaf sums two dense reductions (over the block, then a sorted
+segment sum over blocks) instead of a scatter over every element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Where each leaf lives in a fused `(rows, num_blocks, block)` buffer.
+
+    Attributes:
+      shapes: the leaves' shapes, in order.
+      rows: the number of rows each leaf is split across.
+      block: elements per block; a leaf owns whole blocks of every row.
+      blocks: blocks per row owned by each leaf.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    rows: int
+    block: int
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls,
+        shapes: Sequence[tuple[int, ...]],
+        rows: int,
+        *,
+        max_block: int = 64,
+        max_overhead: float = 1 / 32,
+    ) -> FlatLayout:
+        """Lays out leaves of the given (non-empty) shapes.
+
+        The block size is the largest power of two up to `max_block` whose worst-case
+        padding, `len(shapes) * rows * block` elements, stays within `max_overhead` of the
+        total size, so tiny models are not inflated and large ones reduce fast.
+        """
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        sizes = [math.prod(s) for s in shapes]
+        if not sizes or min(sizes) == 0 or rows < 1:
+            raise ValueError(f"cannot lay out shapes {shapes} over {rows} rows")
+        block = max_block
+        while block > 1 and len(sizes) * rows * block > max_overhead * sum(sizes):
+            block //= 2
+        per_row = rows * block
+        blocks = tuple(-(-n // per_row) for n in sizes)
+        return cls(shapes, rows, block, blocks)
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks)
+
+    @property
+    def padded_size(self) -> int:
+        """Elements in the whole buffer, padding included."""
+        return self.rows * self.num_blocks * self.block
+
+    @functools.cached_property
+    def segments(self) -> np.ndarray:
+        """The leaf index of each block, shape `(num_blocks,)`, sorted."""
+        return np.repeat(np.arange(self.num_leaves, dtype=np.int32), self.blocks)
+
+    @functools.cached_property
+    def _offsets(self) -> tuple[int, ...]:
+        return tuple(int(o) for o in np.cumsum((0, *self.blocks[:-1])))
+
+    def pack(self, leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
+        """Leaves to a `(rows, num_blocks, block)` buffer of `dtype`, zero-padded."""
+        parts = []
+        for leaf, k in zip(leaves, self.blocks, strict=True):
+            flat = jnp.ravel(leaf).astype(dtype)
+            flat = jnp.pad(flat, (0, self.rows * k * self.block - flat.size))
+            parts.append(flat.reshape(self.rows, k, self.block))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+    def unpack(self, x: jax.Array) -> list[jax.Array]:
+        """Inverse of `pack` (in the buffer's dtype)."""
+        out = []
+        for shape, off, k in zip(self.shapes, self._offsets, self.blocks, strict=True):
+            flat = x[:, off : off + k, :].reshape(-1)
+            out.append(flat[: math.prod(shape)].reshape(shape))
+        return out
+
+    def segment_sum(self, xs: Sequence[jax.Array]) -> jax.Array:
+        """Per-leaf sums of each `(R, num_blocks, block)` array: shape `(len(xs), leaves)`.
+
+        One variadic reduction reads all the arrays in a single pass.
+        """
+        zeros = tuple(jnp.zeros((), x.dtype) for x in xs)
+        sums = lax.reduce(tuple(xs), zeros, lambda a, b: tuple(map(jnp.add, a, b)), (0, 2))
+        v = jnp.stack(sums, axis=-1)
+        return jax.ops.segment_sum(v, self.segments, self.num_leaves, indices_are_sorted=True).T
+
+    def segment_max(self, xs: Sequence[jax.Array]) -> jax.Array:
+        """Per-leaf maxima of each `(R, num_blocks, block)` array: `(len(xs), leaves)`."""
+        v = jnp.stack([x.max((0, 2)) for x in xs], axis=-1)
+        return jax.ops.segment_max(v, self.segments, self.num_leaves, indices_are_sorted=True).T
+
+    def per_block(self, v: jax.Array) -> jax.Array:
+        """Per-leaf values `(leaves,)` broadcast to a `(1, num_blocks, 1)` array."""
+        return v[self.segments][None, :, None]

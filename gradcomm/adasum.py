@@ -1,0 +1,395 @@
+"""Adasum: adaptive summation of per-device updates (Maleki et al., MLSys 2021).
+
+The pairwise operator (eq. 8), for two vectors `a` and `b`:
+
+    AS(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b,
+
+adds orthogonal vectors, averages parallel ones, and is applied per leaf (layer-wise, 3.5).
+Across N devices it is applied as the balanced binary tree in device-index order (eq. 9),
+computed by recursive vector-halving distance-doubling (Algorithm 1) over `lax.ppermute`.
+
+How gradcomm computes it:
+
+* Leaves of one dtype are fused into one buffer, each leaf split into P = 2^floor(log2 N)
+  rows, so a level of the tree costs one `ppermute` (plus one small `all_gather` of per-leaf
+  dot products) whatever the number of leaves.
+* Level j pairs device i with i ^ 2^j. The lower device keeps the even rows of its part and
+  the upper one the odd rows; after log2 P levels device i holds row i of the result, and an
+  `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of the
+  buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
+* For N = P + r (0 < r < P), device P + i first sends its vector to device i, which holds
+  AS(g_i, g_{P+i}); the P devices then run the tree. N = 1 is the identity.
+* Dot products and norms are accumulated in at least float32 (float64 for float64 input,
+  as Horovod does in double), on operands scaled per leaf by exact powers of two taken
+  from each device's maximum, so leaves of magnitude 1e-30 or 1e30 neither underflow nor
+  overflow. Scaling both operands leaves the coefficients unchanged.
+* A leaf whose |a|^2 is zero gets coefficient 1 for `a`, so AS(0, b) = b. A leaf with a
+  non-finite value on any device is NaN on every device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from gradcomm import _base
+from gradcomm._flat import FlatLayout
+
+_NUM_STATS = 5  # scale_a, scale_b, a.b, a.a, b.b per leaf
+
+
+class AdasumState(NamedTuple):
+    """State of `adasum`: only a step counter; Adasum itself is stateless."""
+
+    count: jax.Array
+
+
+def _exact_pow2(e: jax.Array, dtype: np.dtype) -> jax.Array:
+    """2**e for integer e in the normal range of `dtype`, built from bits (exact)."""
+    info = jnp.finfo(dtype)
+    itype = jnp.int32 if info.bits == 32 else jnp.int64
+    bits = (e.astype(itype) + (info.maxexp - 1)) << info.nmant
+    return lax.bitcast_convert_type(bits, dtype)
+
+
+def _pow2_scale(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Power-of-two scales for maxima `m >= 0`, and their exact reciprocals.
+
+    `scale >= m` is the smallest such power of two, clamped so that both it and its
+    reciprocal are normal numbers. A zero maximum gets scale 0 (it adds nothing to a
+    group) and reciprocal 1; a non-finite one gets 1 and 1, so the inf or NaN reaches the
+    dot products and poisons the leaf.
+    """
+    info = jnp.finfo(m.dtype)
+    _, e = jnp.frexp(m)
+    e = jnp.clip(e, info.minexp, info.maxexp - 2)
+    finite = jnp.isfinite(m)
+    scale = jnp.where(m == 0, 0, jnp.where(finite, _exact_pow2(e, m.dtype), 1))
+    inverse = jnp.where((m == 0) | ~finite, 1, _exact_pow2(-e, m.dtype))
+    return scale.astype(m.dtype), inverse.astype(m.dtype)
+
+
+def _local_stats(own: jax.Array, other: jax.Array, layout: FlatLayout, ct: np.dtype) -> jax.Array:
+    """Per-leaf (scale_own, scale_other, own.other, own.own, other.other) here: `(5, leaves)`.
+
+    One pass sums the products and the L1 norms. Where every squared norm is zero or
+    within 2^(minexp/2) .. 2^(maxexp-28) of the compute dtype, nothing overflowed and what
+    underflowed is negligible, so the scales are 1 (0 for a zero leaf). Otherwise (tiny,
+    huge or non-finite values) a second pass divides by exact powers of two taken from
+    the per-leaf maxima.
+    """
+    info = jnp.finfo(ct)
+    x, y = own.astype(ct), other.astype(ct)
+    sums = layout.segment_sum([x * y, x * x, y * y, jnp.abs(x), jnp.abs(y)])
+    zero = sums[3:] == 0
+    squares = sums[1:3]
+    in_range = (squares >= 2.0 ** (info.minexp // 2)) & (squares <= 2.0 ** (info.maxexp - 28))
+
+    def unscaled() -> jax.Array:
+        return jnp.concatenate([jnp.where(zero, 0, 1).astype(ct), sums[:3]])
+
+    def scaled() -> jax.Array:
+        scale, inverse = _pow2_scale(layout.segment_max([jnp.abs(x), jnp.abs(y)]))
+        xs = x * layout.per_block(inverse[0])
+        ys = y * layout.per_block(inverse[1])
+        return jnp.concatenate([scale, layout.segment_sum([xs * ys, xs * xs, ys * ys])])
+
+    return lax.cond(jnp.all(zero | in_range), unscaled, scaled)
+
+
+def _merge_stats(stats: jax.Array) -> tuple[jax.Array, ...]:
+    """Per-leaf totals (Sa, Sb, a.b, a.a, b.b) over members `(members, 5, leaves)`.
+
+    Rescales each member's products to the group's largest scale; the ratios of powers of
+    two are exact and the sum runs in member order, so every member of a group computes
+    the same bits.
+    """
+    scale_a, scale_b, ab, aa, bb = (stats[:, i] for i in range(_NUM_STATS))
+    group_a, group_b = scale_a.max(0), scale_b.max(0)
+    wa = jnp.where(group_a > 0, scale_a / group_a, 0)
+    wb = jnp.where(group_b > 0, scale_b / group_b, 0)
+    return (
+        group_a,
+        group_b,
+        (wa * wb * ab).sum(0),
+        (wa * wa * aa).sum(0),
+        (wb * wb * bb).sum(0),
+    )
+
+
+def _coefficients(totals: tuple[jax.Array, ...]) -> jax.Array:
+    """Per-leaf (alpha, 1/Sa, beta, 1/Sb) with AS(a, b) = a - alpha a/Sa + b - beta b/Sb.
+
+    With a' = a / Sa and b' = b / Sb the scaled operands, a.b / (2|a|^2) = q_a Sb / Sa for
+    q_a = a'.b' / (2|a'|^2), so eq. 8's `a` term is a - (q_a Sb)(a / Sa), every factor
+    finite whatever the magnitudes of a and b. q_a = 0 where a is zero (coefficient 1);
+    everything is NaN for a leaf whose sums are not finite.
+    """
+    scale_a, scale_b, ab, aa, bb = totals
+    qa = jnp.where(aa > 0, ab / (2 * aa), 0)
+    qb = jnp.where(bb > 0, ab / (2 * bb), 0)
+    bad = ~(jnp.isfinite(ab) & jnp.isfinite(aa) & jnp.isfinite(bb))
+    return jnp.stack(
+        [
+            jnp.where(bad, jnp.nan, qa * scale_b),
+            jnp.where(scale_a > 0, 1 / scale_a, 1),
+            jnp.where(bad, jnp.nan, qb * scale_a),
+            jnp.where(scale_b > 0, 1 / scale_b, 1),
+        ]
+    )
+
+
+# Index maps between (own, other) and (a, b) order, for the device whose own part is b.
+_SWAP_STATS = np.array([1, 0, 2, 4, 3])
+_SWAP_COEFFICIENTS = np.array([2, 3, 0, 1])
+
+
+def _pair(
+    own: jax.Array,
+    other: jax.Array,
+    layout: FlatLayout,
+    own_is_b: jax.Array | bool = False,
+    group: tuple[_base.AxisName, int, int, jax.Array] | None = None,
+) -> jax.Array:
+    """AS(a, b) leaf by leaf (eq. 8), where a group of devices may each hold a slice.
+
+    Args:
+      own, other: `(rows, blocks, block)` slices in the layout: this device's part, and the
+        part it received. Which of them is `a` (the lower-index operand) is `own_is_b`;
+        swapping per-leaf scalars rather than the slices keeps large selects off the path.
+      layout: the fused layout.
+      own_is_b: whether `own` is the `b` operand.
+      group: None when a and b are whole on this device; else (axis_name, group_size,
+        devices_in_tree, index): aligned groups of `group_size` consecutive devices among
+        the first `devices_in_tree` hold one pair between them.
+    """
+    ct = _base.compute_dtype(own.dtype)
+    stats = _local_stats(own, other, layout, ct)
+    stats = jnp.where(own_is_b, stats[_SWAP_STATS], stats)
+    if group is None:
+        members = stats[None]
+    else:
+        axis_name, size, in_tree, index = group
+        gathered = lax.all_gather(stats, axis_name)[:in_tree]
+        grouped = gathered.reshape(in_tree // size, size, *stats.shape)
+        members = lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
+    coef = _coefficients(_merge_stats(members))
+    coef = layout.per_block(jnp.where(own_is_b, coef[_SWAP_COEFFICIENTS], coef).T)
+    x, y = own.astype(ct), other.astype(ct)
+    # x + y commutes bit for bit, so both members of a pair would compute the same sum.
+    out = (x - coef[..., 0] * (x * coef[..., 1])) + (y - coef[..., 2] * (y * coef[..., 3]))
+    return out.astype(own.dtype)
+
+
+def _adasum_fused(
+    leaves: list[jax.Array], axis_name: _base.AxisName, n: int, index: jax.Array
+) -> list[jax.Array]:
+    """Adasum across the axis of same-dtype leaves, fused into one buffer (Algorithm 1)."""
+    in_tree = 1 << (n.bit_length() - 1)
+    folded = n - in_tree
+    layout = FlatLayout.of([leaf.shape for leaf in leaves], rows=in_tree)
+    x = layout.pack(leaves, leaves[0].dtype)
+    if folded:
+        partner = _base.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
+        x = lax.cond(index < folded, lambda: _pair(x, partner, layout), lambda: x)
+    for level in range(in_tree.bit_length() - 1):
+        distance = 1 << level
+        bit = (index >> level) & 1  # 0: this device holds the lower subtree's result (a)
+        pairs = x.reshape(x.shape[0] // 2, 2, *x.shape[1:])
+        own = lax.dynamic_index_in_dim(pairs, bit, axis=1, keepdims=False)
+        send = lax.dynamic_index_in_dim(pairs, 1 - bit, axis=1, keepdims=False)
+        perm = [(i, i ^ distance) for i in range(in_tree)]
+        received = _base.ppermute(send, axis_name, perm)
+        x = _pair(own, received, layout, bit == 1, (axis_name, 2 * distance, in_tree, index))
+    rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
+    return layout.unpack(rows)
+
+
+def adasum_reduce(tree: Any, axis_name: _base.AxisName = "data") -> Any:
+    """Adasum of each leaf of `tree` across a named axis: the collective behind `adasum`.
+
+    Call it inside `jax.shard_map`, `jax.pmap` or `jax.vmap` over `axis_name`. Every device
+    returns the same bits; under `shard_map` the result is typed as replicated, so it may
+    leave the map with `out_specs=P()`.
+
+    Args:
+      tree: a pytree of floating-point arrays, this device's values.
+      axis_name: the mesh axis (or tuple of axes) to combine over.
+
+    Returns:
+      A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree
+      in device-index order for a power-of-two axis size, with the fold described in the
+      module docstring otherwise.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gradcomm
+      >>> g = jnp.array([[3.0, 0.0], [0.0, 4.0]])  # two devices, orthogonal rows
+      >>> jax.vmap(lambda x: gradcomm.adasum_reduce(x, "d"), axis_name="d")(g)[0]
+      Array([3., 4.], dtype=float32)
+
+    References:
+      Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021:
+      eq. 8 (operator), eq. 9 (recursion), Algorithm 1 (ADASUM_RVHDD), section 3.5.
+    """
+    _base.check_float_leaves(tree, "adasum")
+    n = _base.axis_size(axis_name)
+    index = _base.axis_index(axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves]  # empty leaves stay empty
+    for ids in _base.dtype_groups(leaves):
+        results = _adasum_fused([leaves[i] for i in ids], axis_name, n, index)
+        for i, result in zip(ids, results, strict=True):
+            out[i] = result
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def adasum_pair(a: Any, b: Any) -> Any:
+    """The pairwise Adasum operator, leaf by leaf, on two pytrees (eq. 8).
+
+    `AS(a, b) = (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b` for each pair of leaves,
+    with the same numerics as `adasum_reduce` (float32 or wider accumulation, power-of-two
+    scaling, coefficient 1 for a zero operand, NaN for a non-finite leaf).
+
+    Args:
+      a: a pytree of floating-point arrays (the lower-index operand).
+      b: a pytree with the same structure, shapes and dtypes.
+
+    Returns:
+      The pytree of AS(a_leaf, b_leaf).
+
+    Example:
+      >>> import jax.numpy as jnp, gradcomm
+      >>> gradcomm.adasum_pair(jnp.array([2.0, 0.0]), jnp.array([4.0, 0.0]))  # parallel
+      Array([3., 0.], dtype=float32)
+
+    References:
+      Maleki et al., MLSys 2021, eq. 8 and section 3.5.
+    """
+    _base.check_float_leaves((a, b), "adasum_pair")
+    a_leaves, treedef = jax.tree_util.tree_flatten(a)
+    b_leaves, b_treedef = jax.tree_util.tree_flatten(b)
+    if treedef != b_treedef:
+        raise ValueError(f"adasum_pair needs matching pytrees, got {treedef} and {b_treedef}")
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ValueError(
+                f"adasum_pair needs leaves of equal shape and dtype, got "
+                f"{x.dtype}{list(x.shape)} and {y.dtype}{list(y.shape)}"
+            )
+    out = list(a_leaves)
+    for ids in _base.dtype_groups(a_leaves):
+        layout = FlatLayout.of([a_leaves[i].shape for i in ids], rows=1)
+        dtype = a_leaves[ids[0]].dtype
+        x = layout.pack([a_leaves[i] for i in ids], dtype)
+        y = layout.pack([b_leaves[i] for i in ids], dtype)
+        for i, result in zip(ids, layout.unpack(_pair(x, y, layout)), strict=True):
+            out[i] = result
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def orthogonality(
+    tree: Any, axis_name: _base.AxisName = "data", *, combined: Any | None = None
+) -> Any:
+    """Per-leaf orthogonality of the devices' values, `|AS(g)|^2 / sum_i |g_i|^2` (5.1.3).
+
+    1 when the devices' leaves are mutually orthogonal (Adasum sums them), 1/N when they
+    are equal (Adasum averages them); in between, how close Adasum is to a sum. Call it
+    inside `shard_map`, `pmap` or a named `vmap`, like `adasum_reduce`.
+
+    Args:
+      tree: this device's pytree of floating-point arrays.
+      axis_name: the axis the values are combined over.
+      combined: `adasum_reduce(tree, axis_name)` if already computed, to save a pass.
+
+    Returns:
+      A pytree like `tree` of float32 scalars (NaN for a leaf that is zero everywhere).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gradcomm
+      >>> g = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+      >>> jax.vmap(lambda x: gradcomm.orthogonality(x, "d"), axis_name="d")(g)[0]
+      Array(1., dtype=float32)
+
+    References:
+      Maleki et al., MLSys 2021, section 5.1.3 and Fig. 2.
+    """
+    if combined is None:
+        combined = adasum_reduce(tree, axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    sums = jax.tree_util.tree_leaves(combined)
+    wide = [x.astype(_base.compute_dtype(x.dtype)) for x in leaves]
+    ct = jnp.result_type(*wide) if wide else jnp.float32
+    maxima = jnp.stack([jnp.max(jnp.abs(x), initial=0).astype(ct) for x in wide])
+    _, inverse = _pow2_scale(lax.pmax(maxima, axis_name))
+    squares = [jnp.sum(jnp.square(x * s)) for x, s in zip(wide, inverse.astype(ct), strict=True)]
+    total = lax.psum(jnp.stack(squares), axis_name)
+    result = [
+        jnp.sum(jnp.square(c.astype(ct) * s)) / t
+        for c, s, t in zip(sums, inverse, total, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, [r.astype(jnp.float32) for r in result])
+
+
+def adasum(
+    axis_name: _base.AxisName = "data", *, local_axis: _base.AxisName | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Adasum of the incoming updates across devices, leaf by leaf.
+
+    Place it after the optimizer, so that every device runs its own optimizer on its own
+    gradients and Adasum combines the resulting updates (paper section 4 and A.6; Horovod's
+    DistributedOptimizer does the same); the optimizer's state then differs per device
+    (see `gradcomm.parallel.init_state`). Placed before an optimizer it combines gradients.
+
+    Args:
+      axis_name: the mesh axis (or tuple of axes) across which updates are combined with
+        Adasum; with `local_axis`, the axis across nodes.
+      local_axis: optional fast intra-node axis. Updates are first averaged over it, then
+        combined with Adasum across `axis_name` (Horovod's hierarchical mode; exact since
+        AS(c a, c b) = c AS(a, b)).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is an `AdasumState`.
+
+    Raises:
+      ValueError: at construction for a malformed axis name or a `local_axis` that shares
+        an axis with `axis_name`; at trace time for an axis that is not bound or a leaf
+        that is not floating point.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, gradcomm
+      >>> tx = optax.chain(optax.sgd(0.5), gradcomm.adasum("data"))
+      >>> grads = jnp.array([[1.0, 0.0], [0.0, 1.0]])  # one row per device
+      >>> state = tx.init(grads[0])
+      >>> step = lambda g: tx.update(g, state)[0]
+      >>> jax.vmap(step, axis_name="data")(grads)[0]
+      Array([-0.5, -0.5], dtype=float32)
+
+    References:
+      Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021.
+    """
+    _base.check_axis_name(axis_name)
+    if local_axis is not None:
+        _base.check_axis_name(local_axis, "local_axis")
+        _base.check_disjoint(axis_name, local_axis, "axis_name", "local_axis")
+
+    def init_fn(params: Any) -> AdasumState:
+        del params
+        return AdasumState(count=_base.zero_count())
+
+    def update_fn(
+        updates: Any, state: AdasumState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, AdasumState]:
+        del params, extra_args
+        _base.check_float_leaves(updates, "adasum")
+        if local_axis is not None:
+            _base.axis_size(local_axis)
+            updates = lax.pmean(updates, local_axis)
+        updates = adasum_reduce(updates, axis_name)
+        return updates, AdasumState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

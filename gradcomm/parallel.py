@@ -1,0 +1,397 @@
+"""Data-parallel plumbing: meshes, placement, per-device state and the sharded train step.
+
+gradcomm transformations run inside `jax.shard_map`, one program per device. Some of their
+state differs per device (each device runs its own optimizer under Adasum; residuals, keys
+and push-sum weights are per device): outside the map such a leaf carries a leading device
+axis sharded over the data axes. State that the transformation keeps identical everywhere
+(Adam's moments after an all-reduce, step counters) stays replicated. `init_state` finds
+which is which from JAX's types (a value "varies" over an axis unless a collective made it
+identical), and `train_step` reads the layout back from the state's shardings. A user places
+params, initialises state and builds a jitted step without writing a `PartitionSpec`.
+
+Example:
+  >>> import jax, jax.numpy as jnp, numpy as np, optax, gradcomm
+  >>> from gradcomm import parallel
+  >>> mesh = parallel.make_mesh()                     # every device on one "data" axis
+  >>> tx = optax.chain(optax.adam(1e-2), gradcomm.adasum("data"))
+  >>> loss = lambda p, b: jnp.mean((b["x"] @ p - b["y"]) ** 2)
+  >>> params = parallel.replicate(jnp.zeros(3), mesh)
+  >>> state = parallel.init_state(tx, params, mesh)
+  >>> step = parallel.train_step(loss, tx, mesh)
+  >>> n = parallel.num_shards(mesh)
+  >>> batch = {"x": np.ones((4 * n, 3), np.float32), "y": np.ones(4 * n, np.float32)}
+  >>> params, state, metrics = step(params, state, batch)
+  >>> float(metrics["loss"])
+  1.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradcomm import _base
+
+
+def make_mesh(
+    axes: Mapping[str, int] | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisType = AxisType.Explicit,
+) -> Mesh:
+    """A mesh over `devices` (default: all devices) with named data-parallel axes.
+
+    Args:
+      axes: axis name to size, in mesh order; default `{"data": len(devices)}`. A 2-D
+        mesh for hierarchical methods is `{"node": 4, "local": 2}`.
+      devices: the devices, in order; default `jax.devices()` (all processes).
+      axis_types: the JAX axis type for every axis.
+
+    Returns:
+      A `jax.sharding.Mesh`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    axes = {"data": len(devices)} if axes is None else dict(axes)
+    for name, size in axes.items():
+        _base.check_axis_name(name, "axes")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"axis {name!r} needs a positive integer size, got {size!r}")
+    if math.prod(axes.values()) != len(devices):
+        raise ValueError(
+            f"mesh axes {axes} hold {math.prod(axes.values())} devices, "
+            f"but {len(devices)} were given"
+        )
+    return jax.make_mesh(
+        tuple(axes.values()),
+        tuple(axes),
+        axis_types=(axis_types,) * len(axes),
+        devices=devices,
+    )
+
+
+def _axes(mesh: Mesh, axes: _base.AxisName | None) -> tuple[str, ...]:
+    names = mesh.axis_names if axes is None else _base.axis_names(axes)
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if unknown:
+        raise ValueError(f"axes {unknown} are not in the mesh, whose axes are {mesh.axis_names}")
+    return tuple(names)
+
+
+def device_spec(mesh: Mesh, axes: _base.AxisName | None = None) -> P:
+    """The spec of a leading axis split over the data axes (all mesh axes by default)."""
+    names = _axes(mesh, axes)
+    return P(names if len(names) > 1 else names[0])
+
+
+def num_shards(mesh: Mesh, axes: _base.AxisName | None = None) -> int:
+    """The number of data-parallel devices: the product of the data axes' sizes."""
+    return math.prod(mesh.shape[a] for a in _axes(mesh, axes))
+
+
+def _place(tree: Any, sharding: NamedSharding) -> Any:
+    """Puts every leaf on `sharding`, from host or device data, in one or many processes."""
+
+    def place(x: Any) -> jax.Array:
+        if isinstance(x, jax.Array):
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            if x.is_fully_addressable:
+                return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Places a pytree (params) on every device of the mesh, one identical copy each."""
+    return _place(tree, NamedSharding(mesh, P()))
+
+
+def per_device(tree: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
+    """One copy of each leaf per data-parallel device: a leading device axis, sharded."""
+    n = num_shards(mesh, axes)
+    stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x)[None], (n, *np.shape(x))), tree)
+    return _place(stacked, NamedSharding(mesh, device_spec(mesh, axes)))
+
+
+def shard_batch(batch: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
+    """Splits a global batch's leading axis evenly over the data-parallel devices."""
+    n = num_shards(mesh, axes)
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not np.ndim(x) or np.shape(x)[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{np.shape(x)}: its leading axis must be divisible by the {n} devices"
+            )
+    return _place(batch, NamedSharding(mesh, device_spec(mesh, axes)))
+
+
+def host_copy(tree: Any, *, per_device: bool = False) -> Any:
+    """This process's first copy of each leaf, as NumPy (device 0's, for per-device trees)."""
+
+    def fetch(x: jax.Array) -> np.ndarray:
+        local = np.asarray(x.addressable_data(0))
+        return local[0] if per_device else local
+
+    return jax.tree.map(fetch, tree)
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which a traced value may differ between devices."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _per_device_leaves(state: Any, spec: P) -> list[bool]:
+    """Which leaves of a placed state carry a leading device axis (sharded as `spec`)."""
+    flags = []
+    for x in jax.tree.leaves(state):
+        sharding = getattr(x, "sharding", None)
+        leading = (
+            sharding.spec[0] if isinstance(sharding, NamedSharding) and sharding.spec else None
+        )
+        flags.append(leading is not None and leading == spec[0])
+    return flags
+
+
+def _state_specs(state: Any, flags: Sequence[bool], spec: P) -> Any:
+    _leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, [spec if f else P() for f in flags])
+
+
+def _unstack(tree: Any, flags: Sequence[bool]) -> Any:
+    """Inside the map: drops the (size 1) device axis of the flagged leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [x[0] if f else x for x, f in zip(leaves, flags, strict=True)]
+    )
+
+
+def _stack(tree: Any, flags: Sequence[bool]) -> Any:
+    """Inside the map: adds the device axis back to the flagged leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [x[None] if f else x for x, f in zip(leaves, flags, strict=True)]
+    )
+
+
+def _local_shapes(params: Any, params_per_device: bool) -> Any:
+    """One device's view of the params' shapes."""
+    cut = 1 if params_per_device else 0
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[cut:], x.dtype), params)
+
+
+def _vary(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Types a value as varying over all of `names` (a no-op where it already does)."""
+    missing = tuple(n for n in names if n not in _varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _layout(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: Mesh,
+    names: tuple[str, ...],
+    params_per_device: bool,
+) -> list[bool]:
+    """Which state leaves must live per device: the fixed point of tracing one update.
+
+    Start with every leaf replicated; trace `tx.update` on per-device gradients; every state
+    leaf that comes out varying over the data axes must be per device. Repeat until no
+    leaf changes (leaves only ever move to per device, so this ends).
+    """
+    param_spec = device_spec(mesh, names) if params_per_device else P()
+    shapes = jax.eval_shape(tx.init, _local_shapes(params, params_per_device))
+    flags = [False] * len(jax.tree.leaves(shapes))
+    while True:
+        found: list[bool] = []
+
+        def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
+            if params_per_device:
+                params = jax.tree.map(lambda x: x[0], params)
+            leaves, treedef = jax.tree.flatten(tx.init(params))
+            leaves = [_vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+            grads = jax.tree.map(lambda x: _vary(jax.numpy.zeros_like(x), names), params)
+            _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
+            found.extend(bool(_varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state))
+            return jax.numpy.zeros(())
+
+        probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
+        jax.eval_shape(probe_map, params)
+        new = [f or g for f, g in zip(flags, found, strict=True)]
+        if new == flags:
+            return flags
+        flags = new
+
+
+def init_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: Mesh,
+    *,
+    axes: _base.AxisName | None = None,
+    params_per_device: bool = False,
+) -> Any:
+    """Initialises `tx`'s state on every device, per device only where it must be.
+
+    `tx.init` runs inside `shard_map`, once per device. A state leaf that the
+    transformation makes differ between devices (see the module docstring) gets a leading
+    device axis; the others are replicated.
+
+    Args:
+      tx: the transformation.
+      params: replicated params (or per-device ones with `params_per_device=True`).
+      mesh: the mesh.
+      axes: the data-parallel axes (default: all mesh axes).
+      params_per_device: whether `params` carry a leading device axis.
+
+    Returns:
+      The state: per-device leaves of shape `(num_shards, *leaf_shape)` sharded over
+      `axes`, the others replicated.
+    """
+    names = _axes(mesh, axes)
+    spec = device_spec(mesh, names)
+    param_spec = spec if params_per_device else P()
+    params = _place(params, NamedSharding(mesh, param_spec))
+    flags = _layout(tx, params, mesh, names, params_per_device)
+
+    def body(params: Any) -> Any:
+        if params_per_device:
+            params = jax.tree.map(lambda x: x[0], params)
+        return _stack(tx.init(params), flags)
+
+    shapes = jax.eval_shape(tx.init, _local_shapes(params, params_per_device))
+    out_specs = _state_specs(shapes, flags, spec)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=param_spec, out_specs=out_specs))(params)
+
+
+class TrainStep:
+    """The jitted data-parallel step built by `train_step`.
+
+    Call it as `params, state, metrics = step(params, state, batch)` with a state from
+    `init_state` (or restored from a checkpoint with its shardings); host inputs are placed
+    on the mesh first. `step.lower(params, state, batch)` lowers it, which is what
+    `gradcomm.wire.measure(step, params, state, batch)` uses.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        names: tuple[str, ...],
+        params_per_device: bool,
+        has_aux: bool,
+        donate: bool,
+    ) -> None:
+        self._tx, self._mesh, self._names = tx, mesh, names
+        self._params_per_device, self._has_aux, self._donate = params_per_device, has_aux, donate
+        self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+        self._spec = device_spec(mesh, names)
+        self._param_spec = self._spec if params_per_device else P()
+        self._compiled: dict[Any, Any] = {}
+
+    def _body(self, flags: list[bool]) -> Callable[..., Any]:
+        names, tx = self._names, self._tx
+
+        def body(params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
+            if self._params_per_device:
+                params = jax.tree.map(lambda x: x[0], params)
+                out, grads = self._grad_fn(params, batch)
+            else:
+                # Differentiating replicated (invariant) params would make JAX sum the
+                # gradient over the devices; the transformation must see each device's own.
+                out, grads = self._grad_fn(jax.tree.map(lambda x: _vary(x, names), params), batch)
+            loss, aux = out if self._has_aux else (out, {})
+            updates, state = tx.update(grads, _unstack(state, flags), params)
+            params = optax.apply_updates(params, updates)
+            if self._params_per_device:
+                params = jax.tree.map(lambda x: x[None], params)
+            else:
+                for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+                    varying = _varying_axes(leaf) & set(names)
+                    if varying:
+                        raise ValueError(
+                            f"params are replicated, but after this transformation param "
+                            f"{jax.tree_util.keystr(path)} differs across axes "
+                            f"{sorted(varying)}; end the chain with a synchronising method "
+                            f"(gradcomm.allreduce, gradcomm.adasum) or pass "
+                            f"params_per_device=True"
+                        )
+            metrics = lax.pmean({"loss": loss, **aux}, names)
+            return params, _stack(state, flags), metrics
+
+        return body
+
+    def _jitted(self, state: Any) -> Any:
+        flags = _per_device_leaves(state, self._spec)
+        key = (jax.tree.structure(state), tuple(flags))
+        if key not in self._compiled:
+            state_specs = _state_specs(state, flags, self._spec)
+            mapped = jax.shard_map(
+                self._body(flags),
+                mesh=self._mesh,
+                in_specs=(self._param_spec, state_specs, self._spec),
+                out_specs=(self._param_spec, state_specs, P()),
+            )
+            self._compiled[key] = jax.jit(mapped, donate_argnums=(0, 1) if self._donate else ())
+        return self._compiled[key]
+
+    def _place(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        mesh = self._mesh
+        return (
+            _place(params, NamedSharding(mesh, self._param_spec)),
+            state,
+            shard_batch(batch, mesh, self._names),
+        )
+
+    def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict]:
+        return self._jitted(state)(*self._place(params, state, batch))
+
+    def lower(self, params: Any, state: Any, batch: Any) -> Any:
+        return self._jitted(state).lower(*self._place(params, state, batch))
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axes: _base.AxisName | None = None,
+    params_per_device: bool = False,
+    has_aux: bool = False,
+    donate: bool = False,
+) -> TrainStep:
+    """Builds the jitted data-parallel step `(params, state, batch) -> (params, state, metrics)`.
+
+    On each device: the loss and gradient of `loss_fn(params, local_batch)`, then
+    `tx.update(grads, state, params)` (the transformation's collectives run here), then
+    `optax.apply_updates`. Metrics are averaged over devices.
+
+    Args:
+      loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, metrics_dict)` with `has_aux`.
+      tx: the transformation, usually a chain holding a gradcomm method.
+      mesh: the mesh; the step shards batches over `axes`.
+      axes: the data-parallel axes (default: all mesh axes).
+      params_per_device: keep one copy of params per device (leading device axis), for
+        methods after which devices hold different params (gossip, local SGD). Otherwise
+        params are replicated, and a transformation that leaves them different across
+        devices is an error at trace time.
+      has_aux: whether `loss_fn` returns `(loss, metrics)`.
+      donate: donate params and state buffers to the step.
+
+    Returns:
+      A `TrainStep`: `step(params, state, batch)` returns the new params, the new state and
+      a dict of metrics (`"loss"` and any auxiliary ones).
+    """
+    names = _axes(mesh, axes)
+    return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate)

@@ -1,0 +1,310 @@
+"""Adasum against the NumPy float64 reference of eqs. 8-9, on 1 to 8 simulated devices."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import reference
+from helpers import mesh_of, per_device
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+from gradcomm import parallel
+
+SHAPES = {"scalar": (), "one": (1,), "odd": (7,), "w": (5, 3), "big": (33, 9), "t": (2, 3, 4)}
+DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
+# Unit roundoff of each wire dtype: half an ulp of 1.
+UNIT = {"f32": 2.0**-24, "bf16": 2.0**-8, "f16": 2.0**-11}
+
+
+def random_tree(rng, n, dtypes=DTYPES, scale_range=(0.1, 10.0)):
+    """{dtype: {leaf: (n, *shape)}}: Gaussian leaves, each device's leaf with its own scale."""
+    tree = {}
+    for name, dtype in dtypes.items():
+        tree[name] = {}
+        for leaf, shape in SHAPES.items():
+            scale = rng.uniform(*scale_range, size=(n,) + (1,) * len(shape))
+            tree[name][leaf] = (rng.standard_normal((n, *shape)) * scale).astype(dtype)
+    return tree
+
+
+def reduce_fn(tree):
+    return gradcomm.adasum_reduce(tree, "data")
+
+
+def reference_tree(tree):
+    """The float64 reference, leaf by leaf, on the same (rounded) inputs."""
+    return jax.tree.map(
+        lambda x: reference.adasum([np.asarray(row, np.float64) for row in x]), tree
+    )
+
+
+def assert_same_on_every_device(out):
+    for leaf in jax.tree.leaves(out):
+        for row in leaf[1:]:
+            np.testing.assert_array_equal(row, leaf[0])
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_matches_reference_on_mixed_pytree(n):
+    """fp32 to rtol 1e-5; bf16 and fp16 within a derived normwise bound.
+
+    Each of the ceil(log2 N) levels of the tree (the fold counts as one) rounds its result
+    to the wire dtype once, a relative error of at most u (the unit roundoff) per element,
+    so at most u * |x_level| in norm. A level's result has norm at most 1.5 times the sum
+    of its inputs' norms (|AS(a, b)| <= |a| + |b| + |a.b| (1/|a| + 1/|b|) / 2), and later
+    levels pass an error on with a gain near 1 for these inputs. With a factor 4 for those
+    gains, the error of each leaf obeys
+        |y - y_ref|_2 <= 4 * ceil(log2 N) * u * sum_i |g_i|_2.
+    The dot products are accumulated in float32, whose error is far below this bound.
+    """
+    rng = np.random.default_rng(n)
+    tree = random_tree(rng, n)
+    out = per_device(reduce_fn, n, tree)
+    assert_same_on_every_device(out)
+    ref = reference_tree(tree)
+    levels = math.ceil(math.log2(n))
+    for name in DTYPES:
+        for leaf in SHAPES:
+            y, y_ref = out[name][leaf][0], ref[name][leaf]
+            assert y.dtype == tree[name][leaf].dtype
+            if n == 1:
+                np.testing.assert_array_equal(y, tree[name][leaf][0])
+                continue
+            y = y.astype(np.float64)
+            if name == "f32":
+                scale = np.abs(y_ref).max()
+                np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5 * scale)
+            else:
+                inputs = tree[name][leaf].astype(np.float64).reshape(n, -1)
+                bound = 4 * levels * UNIT[name] * np.linalg.norm(inputs, axis=1).sum()
+                assert np.linalg.norm(y - y_ref) <= bound, (name, leaf)
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_orthogonal_inputs_give_the_sum(n):
+    """Disjoint supports make every dot product exactly 0: the result is the exact sum."""
+    size = 4 * n
+    g = np.zeros((n, size), np.float32)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        g[i, 4 * i : 4 * i + 4] = rng.standard_normal(4)
+    out = per_device(reduce_fn, n, {"g": g})["g"]
+    np.testing.assert_array_equal(out[0], g.sum(0))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 3, 6])
+def test_parallel_inputs_with_unequal_and_negative_scales(n):
+    """g_i = c_i v: the mean for a power-of-two N (the fold weights it otherwise)."""
+    v = np.random.default_rng(1).standard_normal(40)
+    c = np.array([2.0, -0.5, 3.0, 1.5, -1.0, 0.25, 4.0, -2.5])[:n]
+    g = (c[:, None] * v).astype(np.float32)
+    out = per_device(reduce_fn, n, {"g": g})["g"][0]
+    if n & (n - 1) == 0:
+        np.testing.assert_allclose(out, c.mean() * v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, reference.adasum(list(g)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("c", [4.0, 2.0**-20, 3.7, -1.3])
+def test_scale_equivariance_of_the_pair(c):
+    rng = np.random.default_rng(2)
+    a = {"x": rng.standard_normal((6, 5)).astype(np.float32), "y": np.float32(1.5)}
+    b = {"x": rng.standard_normal((6, 5)).astype(np.float32), "y": np.float32(-0.5)}
+    scaled = gradcomm.adasum_pair(jax.tree.map(lambda x: c * x, a), jax.tree.map(lambda x: c * x, b))
+    expected = jax.tree.map(lambda x: c * x, gradcomm.adasum_pair(a, b))
+    if math.log2(abs(c)).is_integer():  # powers of two scale exactly
+        jax.tree.map(np.testing.assert_array_equal, scaled, expected)
+    else:
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), scaled, expected)
+
+
+def test_scale_equivariance_across_devices():
+    g = np.random.default_rng(3).standard_normal((8, 100)).astype(np.float32)
+    out = per_device(reduce_fn, 8, {"g": g})["g"][0]
+    np.testing.assert_array_equal(per_device(reduce_fn, 8, {"g": 8 * g})["g"][0], 8 * out)
+
+
+def test_pair_matches_reference_and_checks_its_arguments():
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((2, 3, 7))
+    out = gradcomm.adasum_pair(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    np.testing.assert_allclose(out, reference.adasum_pair(a, b), rtol=1e-5)
+    with pytest.raises(ValueError, match="matching pytrees"):
+        gradcomm.adasum_pair({"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+    with pytest.raises(ValueError, match="equal shape and dtype"):
+        gradcomm.adasum_pair(jnp.ones(2), jnp.ones(3))
+
+
+def test_zero_leaves():
+    """AS(0, b) = b: zero operands get coefficient 1; all-zero leaves stay exactly zero."""
+    rng = np.random.default_rng(5)
+    b = rng.standard_normal(9).astype(np.float32)
+    np.testing.assert_array_equal(gradcomm.adasum_pair(jnp.zeros(9), jnp.asarray(b)), b)
+    np.testing.assert_array_equal(gradcomm.adasum_pair(jnp.asarray(b), jnp.zeros(9)), b)
+    for n in (3, 8):
+        g = rng.standard_normal((n, 9)).astype(np.float32)
+        g[1] = 0  # one device's leaf is zero
+        tree = {"zero": np.zeros((n, 4), np.float32), "some": g}
+        out = per_device(reduce_fn, n, tree)
+        np.testing.assert_array_equal(out["zero"][0], 0)
+        np.testing.assert_allclose(out["some"][0], reference.adasum(list(g)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30])
+def test_tiny_and_huge_magnitudes_in_fp32(magnitude):
+    """Squares of 1e-30 underflow and of 1e30 overflow in fp32; scaling avoids both."""
+    rng = np.random.default_rng(6)
+    g = rng.standard_normal((8, 50)) * magnitude
+    g32 = g.astype(np.float32)
+    out = per_device(reduce_fn, 8, {"g": g32})["g"][0].astype(np.float64)
+    ref = reference.adasum(list(g32.astype(np.float64)))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_devices_of_very_different_magnitudes():
+    """A parallel pair 1e-30 v and 1e30 v must average, not drop the tiny one."""
+    v = np.random.default_rng(7).standard_normal(16)
+    g = np.stack([1e-30 * v, 1e30 * v]).astype(np.float32)
+    out = per_device(reduce_fn, 2, {"g": g})["g"][0].astype(np.float64)
+    np.testing.assert_allclose(out, reference.adasum(list(g.astype(np.float64))), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_poisons_only_its_leaf(n, bad):
+    rng = np.random.default_rng(8)
+    tree = {"hit": rng.standard_normal((n, 6)).astype(np.float32),
+            "clean": rng.standard_normal((n, 5)).astype(np.float32)}  # fmt: skip
+    tree["hit"][n - 1, 2] = bad  # the last device: folded away for n = 5
+    out = per_device(reduce_fn, n, tree)
+    assert not np.isfinite(out["hit"]).any()
+    np.testing.assert_allclose(
+        out["clean"][0], reference.adasum(list(tree["clean"])), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_hierarchical_equals_adasum_over_node_means():
+    mesh = parallel.make_mesh({"node": 4, "local": 2})
+    tx = gradcomm.adasum("node", local_axis="local")
+    g = np.random.default_rng(9).standard_normal((8, 3, 5)).astype(np.float32)
+
+    def body(x):
+        return tx.update(x[0], tx.init(x[0]))[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("node", "local")), out_specs=P()))
+    out = np.asarray(f(parallel.shard_batch(g, mesh)))
+    node_means = [g[2 * k : 2 * k + 2].astype(np.float64).mean(0) for k in range(4)]
+    np.testing.assert_allclose(out, reference.adasum(node_means), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_under_pmap(n):
+    g = np.random.default_rng(10).standard_normal((n, 11)).astype(np.float32)
+    out = jax.pmap(reduce_fn, axis_name="data", devices=jax.devices()[:n])(g)
+    out = np.asarray(out)
+    assert_same_on_every_device(out)
+    np.testing.assert_allclose(out[0], reference.adasum(list(g)), rtol=1e-5)
+
+
+def test_under_vmap_on_one_device():
+    g = np.random.default_rng(11).standard_normal((5, 11)).astype(np.float32)
+    out = np.asarray(jax.jit(jax.vmap(reduce_fn, axis_name="data"))(g))
+    np.testing.assert_allclose(out[3], reference.adasum(list(g)), rtol=1e-5)
+
+
+def test_result_is_typed_replicated_under_shard_map():
+    """It may leave shard_map with out_specs=P() under check_vma."""
+    mesh = mesh_of(4)
+    f = jax.jit(jax.shard_map(lambda x: reduce_fn(x[0]), mesh=mesh, in_specs=P("data"),
+                              out_specs=P()))  # fmt: skip
+    g = np.random.default_rng(12).standard_normal((4, 6)).astype(np.float32)
+    np.testing.assert_allclose(f(parallel.shard_batch(g, mesh)), reference.adasum(list(g)),
+                               rtol=1e-5)  # fmt: skip
+
+
+def test_chained_after_adam_the_loss_falls():
+    mesh = mesh_of(8)
+    rng = np.random.default_rng(13)
+    w_true = rng.standard_normal(6).astype(np.float32)
+    x = rng.standard_normal((256, 6)).astype(np.float32)
+    batch = {"x": x, "y": x @ w_true}
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    tx = optax.chain(optax.adam(5e-2), gradcomm.adasum("data"))
+    params = parallel.replicate({"w": np.zeros(6, np.float32), "b": np.float32(0)}, mesh)
+    state = parallel.init_state(tx, params, mesh)
+    step = parallel.train_step(loss, tx, mesh)
+    losses = []
+    for _ in range(60):
+        params, state, metrics = step(params, state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.05 * losses[0]
+    assert int(state[1].count) == 60
+
+
+def test_orthogonality_measure():
+    rng = np.random.default_rng(14)
+    n = 4
+    orthogonal = np.zeros((n, 8), np.float32)
+    for i in range(n):
+        orthogonal[i, 2 * i] = rng.uniform(1, 2)
+    same = np.repeat(rng.standard_normal((1, 8)).astype(np.float32), n, axis=0)
+    mixed = rng.standard_normal((n, 8)).astype(np.float32)
+    tree = {"orthogonal": orthogonal, "same": same, "mixed": mixed, "zero": np.zeros((n, 3))}
+    tree["zero"] = tree["zero"].astype(np.float32)
+    out = per_device(orthogonality_fn, n, tree)
+    np.testing.assert_allclose(out["orthogonal"][0], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out["same"][0], 1 / n, rtol=1e-5)
+    expected = np.sum(reference.adasum(list(mixed)) ** 2) / np.sum(mixed.astype(np.float64) ** 2)
+    np.testing.assert_allclose(out["mixed"][0], expected, rtol=1e-5)
+    assert np.isnan(out["zero"][0])
+
+
+def orthogonality_fn(tree):
+    return gradcomm.orthogonality(tree, "data")
+
+
+def test_state_counts_steps():
+    tx = gradcomm.adasum()
+    state = tx.init({"w": jnp.ones(3)})
+    assert isinstance(state, gradcomm.AdasumState)
+    _, state = jax.vmap(lambda g: tx.update(g, state), axis_name="data")(jnp.ones((2, 3)))
+    np.testing.assert_array_equal(state.count, [1, 1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"axis_name": ""}, "axis_name"),
+        ({"axis_name": 3}, "axis_name"),
+        ({"axis_name": "data", "local_axis": "data"}, "local_axis"),
+        ({"axis_name": ("node", "local"), "local_axis": "local"}, "local_axis"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradcomm.adasum(**kwargs)
+
+
+def test_unknown_axis_and_non_float_leaf_raise_at_trace_time():
+    mesh = mesh_of(2)
+
+    def run(tx, tree):
+        body = lambda t: tx.update(jax.tree.map(lambda x: x[0], t), tx.init(t))[0]  # noqa: E731
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P())
+        return jax.jit(f)(parallel.shard_batch(tree, mesh))
+
+    with pytest.raises(ValueError, match="'model'"):
+        run(gradcomm.adasum("model"), {"w": np.ones((2, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"\['steps'\].*int32"):
+        run(gradcomm.adasum("data"), {"w": np.ones((2, 3), np.float32),
+                                      "steps": np.ones((2, 1), np.int32)})  # fmt: skip
+    with pytest.raises(ValueError, match="'local'"):
+        run(gradcomm.adasum("data", local_axis="local"), {"w": np.ones((2, 3), np.float32)})

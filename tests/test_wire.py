@@ -1,0 +1,171 @@
+"""gradcomm.wire: bytes per device read from compiled programs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_of
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+from gradcomm import parallel, wire
+
+
+def compiled_report(fn, n, *shapes, out_specs=P()):
+    mesh = mesh_of(n)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=out_specs)
+    args = [
+        jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        for s in shapes
+    ]
+    return wire.measure(jax.jit(mapped), *args)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_psum_costs_two_n_minus_one_over_n(n):
+    report = compiled_report(lambda x: lax.psum(x[0], "data"), n, (n, 1000))
+    assert report.total == pytest.approx(2 * (n - 1) / n * 4000)
+    assert set(report.by_kind()) == {"all-reduce"}
+    assert report.exact
+
+
+def test_each_collective_kind():
+    n = 8
+
+    def f(x):
+        x = x[0]
+        return (
+            lax.all_gather(x, "data", tiled=True).sum()
+            + lax.psum_scatter(x, "data", tiled=True).sum()
+            + lax.all_to_all(x.reshape(n, -1), "data", 0, 0, tiled=True).sum()
+            + lax.ppermute(x, "data", [(i, (i + 1) % n) for i in range(n)]).sum()
+        )[None]
+
+    kinds = compiled_report(f, n, (n, 800), out_specs=P("data")).by_kind()
+    assert kinds["all-gather"] == pytest.approx(7 / 8 * 8 * 3200)  # output S = 8 * 3200 B
+    assert kinds["reduce-scatter"] == pytest.approx(7 / 8 * 3200)
+    assert kinds["all-to-all"] == pytest.approx(7 / 8 * 3200)
+    assert kinds["collective-permute"] == pytest.approx(3200)
+
+
+def test_conditional_costs_its_largest_branch_and_loops_their_trip_count():
+    n = 4
+
+    def f(x):
+        x = x[0]
+        k = lax.axis_index("data") % 2
+        shifted = lax.switch(
+            k,
+            [lambda v, s=s: lax.ppermute(v, "data", [(i, (i + s) % n) for i in range(n)])
+             for s in (1, 2)],
+            x,
+        )  # fmt: skip
+        looped = lax.fori_loop(0, 5, lambda i, c: lax.psum(c, "data") * 0.5 + x, shifted)
+        return looped[None]
+
+    report = compiled_report(f, n, (n, 100), out_specs=P("data"))
+    kinds = report.by_kind()
+    assert kinds["collective-permute"] == pytest.approx(400)  # one branch of two
+    assert kinds["all-reduce"] == pytest.approx(5 * 2 * 3 / 4 * 400)
+    assert [c.count for c in report.collectives if c.kind == "all-reduce"] == [5]
+
+
+SYNTHETIC = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %v = f32[1024]{0} get-tuple-element(%t), index=1
+  %i = s32[] get-tuple-element(%t), index=0
+  %c = bf16[512]{0} collective-permute(%v), source_target_pairs={{0,1},{1,0}}
+  ROOT %o = (s32[], f32[1024]{0}) tuple(%i, %v)
+}
+
+%cond (t: (s32[], f32[1024])) -> pred[] {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  %ars = f32[1024]{0} all-reduce-start(%p), replica_groups=[2,4]<=[8], to_apply=%add
+  %ard = f32[1024]{0} all-reduce-done(%ars)
+  %ags = (f32[1024]{0}, f32[4096]{0}) all-gather-start(%ard), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  %agd = f32[4096]{0} all-gather-done(%ags)
+  %init = (s32[], f32[1024]{0}) tuple(%p, %ard)
+  %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[1024]{0} add(%ard, %ard)
+}
+"""
+
+
+def test_synthetic_async_iota_groups_and_unknown_trip_count():
+    report = wire.analyze_hlo(SYNTHETIC)
+    kinds = report.by_kind()
+    assert kinds["all-reduce"] == pytest.approx(2 * 3 / 4 * 4096)  # groups of 4, counted once
+    assert kinds["all-gather"] == pytest.approx(1 / 2 * 2 * 4096)  # groups of 2, output 8 KiB
+    assert kinds["collective-permute"] == pytest.approx(4096)  # the f32 operand, once
+    assert not report.exact  # the while loop's trip count is unknown
+    assert "| **total** |" in report.table()
+    assert '"all-reduce"' in report.to_json()
+    with pytest.raises(ValueError, match="ENTRY"):
+        wire.analyze_hlo("HloModule empty")
+
+
+def test_adasum_sends_about_what_psum_sends():
+    """At N = 8 on 1.2M parameters: within 1.1x of a psum, extras O(leaves) scalars."""
+    n = 8
+    shapes = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
+    tree = [jax.ShapeDtypeStruct((n, *s), jnp.float32) for s in shapes]
+    size = sum(int(np.prod(s)) for s in shapes) * 4
+    mesh = mesh_of(n)
+    sharding = NamedSharding(mesh, P("data"))
+    tree = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding) for t in tree]
+
+    def mapped(fn):
+        body = lambda t: fn([x[0] for x in t])  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+    psum = wire.measure(mapped(lambda t: lax.psum(t, "data")), tree)
+    adasum = wire.measure(mapped(lambda t: gradcomm.adasum_reduce(t, "data")), tree)
+    assert psum.total == pytest.approx(2 * 7 / 8 * size)
+    assert adasum.total <= 1.1 * psum.total
+    # Per level: one ppermute and one small all-gather of 5 scalars per leaf per device.
+    stats = [c for c in adasum.collectives if c.kind == "all-gather" and c.payload < 10_000]
+    assert len(stats) == 3
+    assert all(c.payload == n * 5 * len(shapes) * 4 for c in stats)
+
+
+def test_collectives_do_not_grow_with_the_number_of_leaves():
+    n = 8
+    mesh = mesh_of(n)
+
+    def count(num_leaves):
+        tree = [jax.ShapeDtypeStruct((n, 10), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+                for _ in range(num_leaves)]  # fmt: skip
+        body = lambda t: gradcomm.adasum_reduce([x[0] for x in t], "data")  # noqa: E731
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+        return len(wire.measure(f, tree).collectives)
+
+    assert count(2) == count(200) == 3 + 3 + 1  # ppermutes, stats gathers, final gather
+
+
+def test_measure_a_train_step():
+    mesh = mesh_of(8)
+    params = {"w": np.zeros((100, 10), np.float32)}
+    batch = {"x": np.ones((16, 100), np.float32)}
+    loss = lambda p, b: jnp.sum(b["x"] @ p["w"])  # noqa: E731
+    tx = optax.chain(gradcomm.allreduce(), optax.sgd(0.1))
+    step = parallel.train_step(loss, tx, mesh)
+    state = parallel.init_state(tx, params, mesh)
+    report = wire.measure(step, parallel.replicate(params, mesh), state, batch)
+    grads = 2 * 7 / 8 * 4000
+    assert grads <= report.total <= grads + 64  # plus the loss metric's pmean
