@@ -43,8 +43,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, default=0, help="this process's index")
     parser.add_argument("--data-dir", default=None, help="directory with real data, if any")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--out", default="runs/" + pathlib.Path(sys.argv[0]).stem,
-                        help="output directory for JSON, PNG and Markdown")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default="runs/" + pathlib.Path(sys.argv[0]).stem,
+        help="output directory for JSON, PNG and Markdown",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -60,7 +63,9 @@ def setup(args: argparse.Namespace) -> list[jax.Device]:
     if args.devices is not None and args.devices > len(local):
         raise SystemExit(f"--devices {args.devices}: only {len(local)} local devices")
     if args.devices is not None and local[0].platform != "cpu":
-        keep = {d.id for p in range(jax.process_count()) for d in _first_of_process(p, args.devices)}
+        keep = {
+            d.id for p in range(jax.process_count()) for d in _first_of_process(p, args.devices)
+        }
         return [d for d in jax.devices() if d.id in keep]
     return jax.devices()
 

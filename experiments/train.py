@@ -21,8 +21,11 @@ import gradcomm
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--method", default=",".join(_common.METHODS),
-                        help=f"comma-separated methods, from: {', '.join(_common.METHODS)}")  # fmt: skip
+    parser.add_argument(
+        "--method",
+        default=",".join(_common.METHODS),
+        help=f"comma-separated methods, from: {', '.join(_common.METHODS)}",
+    )
     parser.add_argument("--optimizer", default="adam", help="adam, sgd or momentum")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
@@ -37,21 +40,31 @@ def main(argv: list[str] | None = None) -> None:
     model = _common.small_cnn(data.num_classes)
     main_process = _common.is_main_process()
     if main_process:
-        print(f"gradcomm {gradcomm.__version__}: {_common.describe(devices)}; "
-              f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test")  # fmt: skip
+        print(
+            f"gradcomm {gradcomm.__version__}: {_common.describe(devices)}; "
+            f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test"
+        )
 
     results = []
     for method in methods:
         tx = _common.METHODS[method](_common.optimizer(args.optimizer, args.lr))
         result = _common.train(
-            method, tx, model, data, mesh,
-            epochs=args.epochs, batch_per_device=args.batch_size, seed=args.seed,
+            method,
+            tx,
+            model,
+            data,
+            mesh,
+            epochs=args.epochs,
+            batch_per_device=args.batch_size,
+            seed=args.seed,
             progress=main_process and not args.no_progress,
-        )  # fmt: skip
+        )
         results.append(result)
         if main_process:
-            print(f"{method:>10}: test accuracy {100 * result.test_accuracy:.2f}% "
-                  f"in {result.wall_seconds:.1f}s")  # fmt: skip
+            print(
+                f"{method:>10}: test accuracy {100 * result.test_accuracy:.2f}% "
+                f"in {result.wall_seconds:.1f}s"
+            )
 
     if main_process:
         table = _common.results_table(results)

@@ -155,7 +155,8 @@ def _pair(
     layout: FlatLayout,
     own_is_b: jax.Array | bool = False,
     group: tuple[_base.AxisName, int, int, jax.Array] | None = None,
-) -> jax.Array:
+    halves: bool = False,
+) -> Any:
     """AS(a, b) leaf by leaf (eq. 8), where a group of devices may each hold a slice.
 
     Args:
@@ -167,6 +168,7 @@ def _pair(
       group: None when a and b are whole on this device; else (axis_name, group_size,
         devices_in_tree, index): aligned groups of `group_size` consecutive devices among
         the first `devices_in_tree` hold one pair between them.
+      halves: return the result's first and second halves of rows as two arrays.
     """
     ct = _base.compute_dtype(own.dtype)
     stats = _local_stats(own, other, layout, ct)
@@ -180,32 +182,56 @@ def _pair(
         members = lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
     coef = _coefficients(_merge_stats(members))
     coef = layout.per_block(jnp.where(own_is_b, coef[_SWAP_COEFFICIENTS], coef).T)
-    x, y = own.astype(ct), other.astype(ct)
-    # x + y commutes bit for bit, so both members of a pair would compute the same sum.
-    out = (x - coef[..., 0] * (x * coef[..., 1])) + (y - coef[..., 2] * (y * coef[..., 3]))
-    return out.astype(own.dtype)
+
+    def combine(x: jax.Array, y: jax.Array) -> jax.Array:
+        x, y = x.astype(ct), y.astype(ct)
+        # x + y commutes bit for bit: both members of a pair would compute the same sum.
+        out = (x - coef[..., 0] * (x * coef[..., 1])) + (y - coef[..., 2] * (y * coef[..., 3]))
+        return out.astype(own.dtype)
+
+    if not halves:
+        return combine(own, other)
+    # The next level keeps the first half of the rows and sends the second: computing
+    # them as two arrays lets the send buffer go to ppermute without a copy.
+    half = own.shape[0] // 2
+    return combine(own[:half], other[:half]), combine(own[half:], other[half:])
+
+
+def _bit_reversed(width: int) -> np.ndarray:
+    """i with its `width` low bits reversed, for i < 2**width."""
+    return np.array([int(f"{i:0{width}b}"[::-1], 2) if width else 0 for i in range(1 << width)])
 
 
 def _adasum_fused(
     leaves: list[jax.Array], axis_name: _base.AxisName, n: int, index: jax.Array
 ) -> list[jax.Array]:
-    """Adasum across the axis of same-dtype leaves, fused into one buffer (Algorithm 1)."""
+    """Adasum across the axis of same-dtype leaves, fused into one buffer (Algorithm 1).
+
+    Level j pairs device i with i ^ 2^j, which differ in bit j. Each device stores its
+    rows in the order p -> row i ^ bitreverse(p): at every level the rows it keeps are the
+    first half of its buffer and the rows it sends the second half, in the order its
+    partner keeps them; after the last level it holds row i.
+    """
     in_tree = 1 << (n.bit_length() - 1)
+    levels = in_tree.bit_length() - 1
     folded = n - in_tree
     layout = FlatLayout.of([leaf.shape for leaf in leaves], rows=in_tree)
     x = layout.pack(leaves, leaves[0].dtype)
     if folded:
         partner = _base.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
         x = lax.cond(index < folded, lambda: _pair(x, partner, layout), lambda: x)
-    for level in range(in_tree.bit_length() - 1):
+    if levels:
+        rows = (index % in_tree) ^ jnp.asarray(_bit_reversed(levels), index.dtype)
+        own, send = (jnp.take(x, r, axis=0, mode="clip") for r in jnp.split(rows, 2))
+    for level in range(levels):
         distance = 1 << level
-        bit = (index >> level) & 1  # 0: this device holds the lower subtree's result (a)
-        pairs = x.reshape(x.shape[0] // 2, 2, *x.shape[1:])
-        own = lax.dynamic_index_in_dim(pairs, bit, axis=1, keepdims=False)
-        send = lax.dynamic_index_in_dim(pairs, 1 - bit, axis=1, keepdims=False)
-        perm = [(i, i ^ distance) for i in range(in_tree)]
-        received = _base.ppermute(send, axis_name, perm)
-        x = _pair(own, received, layout, bit == 1, (axis_name, 2 * distance, in_tree, index))
+        own_is_b = (index >> level) & 1 == 1
+        received = _base.ppermute(send, axis_name, [(i, i ^ distance) for i in range(in_tree)])
+        group = (axis_name, 2 * distance, in_tree, index)
+        if level + 1 < levels:
+            own, send = _pair(own, received, layout, own_is_b, group, halves=True)
+        else:
+            x = _pair(own, received, layout, own_is_b, group)
     rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
     return layout.unpack(rows)
 

@@ -39,11 +39,30 @@ from typing import Any
 import jax
 
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
-    "u32": 4, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
-    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e3m4": 1, "bf16": 2, "f16": 2, "f32": 4,
-    "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "f8e3m4": 1,
+    "bf16": 2,
+    "f16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
 # How many times the payload S each kind sends per device, given group size n.
 _MODEL: dict[str, Callable[[int], float]] = {

@@ -10,8 +10,10 @@ from gradcomm import parallel
 
 def case_inputs(n: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(42)
-    return {"w": rng.standard_normal((n, 37, 5)).astype(np.float32),
-            "b": rng.standard_normal((n, 3)).astype(np.float32)}  # fmt: skip
+    return {
+        "w": rng.standard_normal((n, 37, 5)).astype(np.float32),
+        "b": rng.standard_normal((n, 3)).astype(np.float32),
+    }
 
 
 def adasum_of_case() -> np.ndarray:

@@ -114,7 +114,9 @@ def test_scale_equivariance_of_the_pair(c):
     rng = np.random.default_rng(2)
     a = {"x": rng.standard_normal((6, 5)).astype(np.float32), "y": np.float32(1.5)}
     b = {"x": rng.standard_normal((6, 5)).astype(np.float32), "y": np.float32(-0.5)}
-    scaled = gradcomm.adasum_pair(jax.tree.map(lambda x: c * x, a), jax.tree.map(lambda x: c * x, b))
+    scaled = gradcomm.adasum_pair(
+        jax.tree.map(lambda x: c * x, a), jax.tree.map(lambda x: c * x, b)
+    )
     expected = jax.tree.map(lambda x: c * x, gradcomm.adasum_pair(a, b))
     if math.log2(abs(c)).is_integer():  # powers of two scale exactly
         jax.tree.map(np.testing.assert_array_equal, scaled, expected)
@@ -178,8 +180,10 @@ def test_devices_of_very_different_magnitudes():
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_input_poisons_only_its_leaf(n, bad):
     rng = np.random.default_rng(8)
-    tree = {"hit": rng.standard_normal((n, 6)).astype(np.float32),
-            "clean": rng.standard_normal((n, 5)).astype(np.float32)}  # fmt: skip
+    tree = {
+        "hit": rng.standard_normal((n, 6)).astype(np.float32),
+        "clean": rng.standard_normal((n, 5)).astype(np.float32),
+    }
     tree["hit"][n - 1, 2] = bad  # the last device: folded away for n = 5
     out = per_device(reduce_fn, n, tree)
     assert not np.isfinite(out["hit"]).any()
@@ -220,11 +224,13 @@ def test_under_vmap_on_one_device():
 def test_result_is_typed_replicated_under_shard_map():
     """It may leave shard_map with out_specs=P() under check_vma."""
     mesh = mesh_of(4)
-    f = jax.jit(jax.shard_map(lambda x: reduce_fn(x[0]), mesh=mesh, in_specs=P("data"),
-                              out_specs=P()))  # fmt: skip
+    f = jax.jit(
+        jax.shard_map(lambda x: reduce_fn(x[0]), mesh=mesh, in_specs=P("data"), out_specs=P())
+    )
     g = np.random.default_rng(12).standard_normal((4, 6)).astype(np.float32)
-    np.testing.assert_allclose(f(parallel.shard_batch(g, mesh)), reference.adasum(list(g)),
-                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        f(parallel.shard_batch(g, mesh)), reference.adasum(list(g)), rtol=1e-5
+    )
 
 
 def test_chained_after_adam_the_loss_falls():
@@ -304,7 +310,9 @@ def test_unknown_axis_and_non_float_leaf_raise_at_trace_time():
     with pytest.raises(ValueError, match="'model'"):
         run(gradcomm.adasum("model"), {"w": np.ones((2, 3), np.float32)})
     with pytest.raises(ValueError, match=r"\['steps'\].*int32"):
-        run(gradcomm.adasum("data"), {"w": np.ones((2, 3), np.float32),
-                                      "steps": np.ones((2, 1), np.int32)})  # fmt: skip
+        run(
+            gradcomm.adasum("data"),
+            {"w": np.ones((2, 3), np.float32), "steps": np.ones((2, 1), np.int32)},
+        )
     with pytest.raises(ValueError, match="'local'"):
         run(gradcomm.adasum("data", local_axis="local"), {"w": np.ones((2, 3), np.float32)})

@@ -19,10 +19,17 @@ def loss(params, batch):
 def test_adasum_state_checkpoints_and_restores_bit_identically(tmp_path):
     mesh = mesh_of(8)
     rng = np.random.default_rng(0)
-    params = {"w1": rng.standard_normal((6, 8)).astype(np.float32) * 0.3,
-              "w2": rng.standard_normal(8).astype(np.float32) * 0.3}  # fmt: skip
-    batches = [{"x": rng.standard_normal((32, 6)).astype(np.float32),
-                "y": rng.standard_normal(32).astype(np.float32)} for _ in range(6)]  # fmt: skip
+    params = {
+        "w1": rng.standard_normal((6, 8)).astype(np.float32) * 0.3,
+        "w2": rng.standard_normal(8).astype(np.float32) * 0.3,
+    }
+    batches = [
+        {
+            "x": rng.standard_normal((32, 6)).astype(np.float32),
+            "y": rng.standard_normal(32).astype(np.float32),
+        }
+        for _ in range(6)
+    ]
     tx = optax.chain(optax.adam(1e-2), gradcomm.adasum("data"))
     step = parallel.train_step(loss, tx, mesh)
     p = parallel.replicate(params, mesh)

@@ -17,8 +17,10 @@ def allreduce_fn(tree):
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_mean_over_devices(n):
     rng = np.random.default_rng(n)
-    tree = {"w": rng.standard_normal((n, 4, 3)).astype(np.float32),
-            "b": rng.standard_normal((n, 2)).astype(np.float16)}  # fmt: skip
+    tree = {
+        "w": rng.standard_normal((n, 4, 3)).astype(np.float32),
+        "b": rng.standard_normal((n, 2)).astype(np.float16),
+    }
     out = per_device(allreduce_fn, n, tree)
     np.testing.assert_allclose(out["w"][0], tree["w"].mean(0), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out["b"][0], tree["b"].astype(np.float32).mean(0), rtol=2e-3)

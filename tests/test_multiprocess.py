@@ -24,10 +24,20 @@ def test_two_processes_match_one(tmp_path):
     outs = [tmp_path / f"out{i}.npy" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "multiprocess_worker.py"), str(port), "2", str(i), "4",
-             str(outs[i])],
-            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(HERE / "multiprocess_worker.py"),
+                str(port),
+                "2",
+                str(i),
+                "4",
+                str(outs[i]),
+            ],
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for i in range(2)
     ]
     logs = []

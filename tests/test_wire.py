@@ -14,7 +14,8 @@ import gradcomm
 from gradcomm import parallel, wire
 
 
-def compiled_report(fn, n, *shapes, out_specs=P()):
+def compiled_report(fn, n, *shapes, out_specs=None):
+    out_specs = P() if out_specs is None else out_specs
     mesh = mesh_of(n)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=out_specs)
     args = [
@@ -59,10 +60,12 @@ def test_conditional_costs_its_largest_branch_and_loops_their_trip_count():
         k = lax.axis_index("data") % 2
         shifted = lax.switch(
             k,
-            [lambda v, s=s: lax.ppermute(v, "data", [(i, (i + s) % n) for i in range(n)])
-             for s in (1, 2)],
+            [
+                lambda v, s=s: lax.ppermute(v, "data", [(i, (i + s) % n) for i in range(n)])
+                for s in (1, 2)
+            ],
             x,
-        )  # fmt: skip
+        )
         looped = lax.fori_loop(0, 5, lambda i, c: lax.psum(c, "data") * 0.5 + x, shifted)
         return looped[None]
 
@@ -98,7 +101,8 @@ ENTRY %main (p: f32[1024]) -> f32[1024] {
   %p = f32[1024]{0} parameter(0)
   %ars = f32[1024]{0} all-reduce-start(%p), replica_groups=[2,4]<=[8], to_apply=%add
   %ard = f32[1024]{0} all-reduce-done(%ars)
-  %ags = (f32[1024]{0}, f32[4096]{0}) all-gather-start(%ard), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  %ags = (f32[1024]{0}, f32[4096]{0}) all-gather-start(%ard), \
+replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
   %agd = f32[4096]{0} all-gather-done(%ags)
   %init = (s32[], f32[1024]{0}) tuple(%p, %ard)
   %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
@@ -149,8 +153,10 @@ def test_collectives_do_not_grow_with_the_number_of_leaves():
     mesh = mesh_of(n)
 
     def count(num_leaves):
-        tree = [jax.ShapeDtypeStruct((n, 10), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-                for _ in range(num_leaves)]  # fmt: skip
+        tree = [
+            jax.ShapeDtypeStruct((n, 10), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+            for _ in range(num_leaves)
+        ]
         body = lambda t: gradcomm.adasum_reduce([x[0] for x in t], "data")  # noqa: E731
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
         return len(wire.measure(f, tree).collectives)

@@ -1,0 +1,37 @@
+"""The docstring examples run, and the code is ruff clean."""
+
+import doctest
+import importlib
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+MODULES = ["gradcomm.adasum", "gradcomm.dense", "gradcomm.parallel", "gradcomm.wire"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff(command):
+    ruff = shutil.which("ruff") or pytest.skip("ruff is not installed")
+    dirs = [str(ROOT / d) for d in ("gradcomm", "tests", "experiments")]
+    result = subprocess.run([ruff, *command, *dirs], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_public_api_is_exported():
+    import gradcomm
+
+    for name in gradcomm.__all__:
+        assert hasattr(gradcomm, name), name
+    assert sys.modules["gradcomm.adasum"].adasum is gradcomm.adasum
