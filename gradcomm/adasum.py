@@ -13,10 +13,12 @@ How gradcomm computes it:
 * Leaves of one dtype are fused into one buffer, each leaf split into P = 2^floor(log2 N)
   rows, so a level of the tree costs one `ppermute` (plus one small `all_gather` of per-leaf
   dot products) whatever the number of leaves.
-* Level j pairs device i with i ^ 2^j. The lower device keeps the even rows of its part and
-  the upper one the odd rows; after log2 P levels device i holds row i of the result, and an
-  `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of the
-  buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
+* Level j pairs device i with i ^ 2^j; each keeps the half of the rows whose bit j matches
+  its own and sends the other half. After log2 P levels device i holds row i of the result,
+  and one `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of
+  the buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
+* Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
+  devices that hold slices of the pair) sums them, and a second pass combines.
 * For N = P + r (0 < r < P), device P + i first sends its vector to device i, which holds
   AS(g_i, g_{P+i}); the P devices then run the tree. N = 1 is the identity.
 * Dot products and norms are accumulated in at least float32 (float64 for float64 input,

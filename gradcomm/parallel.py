@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -184,6 +185,11 @@ def _stack(tree: Any, flags: Sequence[bool]) -> Any:
     )
 
 
+def _local_params(params: Any, params_per_device: bool) -> Any:
+    """Inside the map: this device's params (per-device ones carry a size-1 device axis)."""
+    return jax.tree.map(lambda x: x[0], params) if params_per_device else params
+
+
 def _local_shapes(params: Any, params_per_device: bool) -> Any:
     """One device's view of the params' shapes."""
     cut = 1 if params_per_device else 0
@@ -216,14 +222,13 @@ def _layout(
         found: list[bool] = []
 
         def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
-            if params_per_device:
-                params = jax.tree.map(lambda x: x[0], params)
+            params = _local_params(params, params_per_device)
             leaves, treedef = jax.tree.flatten(tx.init(params))
             leaves = [_vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
-            grads = jax.tree.map(lambda x: _vary(jax.numpy.zeros_like(x), names), params)
+            grads = jax.tree.map(lambda x: _vary(jnp.zeros_like(x), names), params)
             _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
             found.extend(bool(_varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state))
-            return jax.numpy.zeros(())
+            return jnp.zeros(())
 
         probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
         jax.eval_shape(probe_map, params)
@@ -265,9 +270,7 @@ def init_state(
     flags = _layout(tx, params, mesh, names, params_per_device)
 
     def body(params: Any) -> Any:
-        if params_per_device:
-            params = jax.tree.map(lambda x: x[0], params)
-        return _stack(tx.init(params), flags)
+        return _stack(tx.init(_local_params(params, params_per_device)), flags)
 
     shapes = jax.eval_shape(tx.init, _local_shapes(params, params_per_device))
     out_specs = _state_specs(shapes, flags, spec)
@@ -304,13 +307,10 @@ class TrainStep:
         names, tx = self._names, self._tx
 
         def body(params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
-            if self._params_per_device:
-                params = jax.tree.map(lambda x: x[0], params)
-                out, grads = self._grad_fn(params, batch)
-            else:
-                # Differentiating replicated (invariant) params would make JAX sum the
-                # gradient over the devices; the transformation must see each device's own.
-                out, grads = self._grad_fn(jax.tree.map(lambda x: _vary(x, names), params), batch)
+            params = _local_params(params, self._params_per_device)
+            # Differentiating replicated (invariant) params would make JAX sum the gradient
+            # over the devices; the transformation must see each device's own gradient.
+            out, grads = self._grad_fn(jax.tree.map(lambda x: _vary(x, names), params), batch)
             loss, aux = out if self._has_aux else (out, {})
             updates, state = tx.update(grads, _unstack(state, flags), params)
             params = optax.apply_updates(params, updates)
