@@ -118,7 +118,7 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
 def batches(data: Dataset, global_batch: int, seed: int, epoch: int) -> list[dict[str, Any]]:
     """One epoch of shuffled full batches (the remainder is dropped), the same in every process."""
     order = np.random.default_rng([seed, epoch]).permutation(len(data.x_train))
-    count = len(order) // global_batch
+    count = steps_per_epoch(data, global_batch)
     return [
         {"x": data.x_train[idx], "y": data.y_train[idx]}
         for idx in np.split(order[: count * global_batch], count)
@@ -164,22 +164,39 @@ def accuracy(model: Any, params: Any, x: np.ndarray, y: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- methods
 
 
-def optimizer(name: str, lr: float) -> optax.GradientTransformation:
-    """The inner optimizer: "adam", "sgd" or "momentum" (SGD with momentum 0.9)."""
+def optimizer(
+    name: str, lr: float, steps: int, schedule: str = "cosine"
+) -> optax.GradientTransformation:
+    """The inner optimizer: "adam", "sgd" or "momentum" (SGD with momentum 0.9).
+
+    `schedule` is "cosine" (decay to 0 over `steps`) or "constant".
+    """
+    if schedule == "cosine":
+        rate: optax.ScalarOrSchedule = optax.cosine_decay_schedule(lr, max(steps, 1))
+    elif schedule == "constant":
+        rate = lr
+    else:
+        raise SystemExit(f"unknown schedule {schedule!r}: choose cosine or constant")
     if name == "adam":
-        return optax.adam(lr)
+        return optax.adam(rate)
     if name == "sgd":
-        return optax.sgd(lr)
+        return optax.sgd(rate)
     if name == "momentum":
-        return optax.sgd(lr, momentum=0.9)
+        return optax.sgd(rate, momentum=0.9)
     raise SystemExit(f"unknown optimizer {name!r}: choose adam, sgd or momentum")
 
 
+def steps_per_epoch(data: Dataset, global_batch: int) -> int:
+    return len(data.x_train) // global_batch
+
+
 # Each method in the place its paper puts it: the all-reduce before the optimizer (it
-# averages gradients), Adasum after it (it combines each device's update, paper A.6).
+# averages gradients), Adasum after it (it combines each device's update, paper A.6),
+# TernGrad before it (it quantizes gradients).
 METHODS: dict[str, Callable[[optax.GradientTransformation], optax.GradientTransformation]] = {
     "allreduce": lambda opt: optax.chain(gradcomm.allreduce("data"), opt),
     "adasum": lambda opt: optax.chain(opt, gradcomm.adasum("data")),
+    "terngrad": lambda opt: optax.chain(gradcomm.terngrad("data", dense=["Dense_1"]), opt),
 }
 
 

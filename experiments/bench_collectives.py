@@ -3,11 +3,13 @@
 
     python experiments/bench_collectives.py                       # 4 KiB .. 64 MiB, 8 devices
     python experiments/bench_collectives.py --sizes 1MiB,16MiB,64MiB --repeats 20
+    python experiments/bench_collectives.py --methods terngrad --sizes 4MiB,64MiB
 
 A message is each device's buffer of that many bytes (float32), split into --leaves
-leaves. Every method reduces the same inputs; their runs are interleaved (in alternating
-order) so machine noise hits both alike, and the ratio to psum is reported, with the
-bytes each device sends read from the compiled program (gradcomm.wire). Writes
+leaves; terngrad times its whole update (clip, ternarize, pack, exchange, unpack,
+average). Every method reduces the same inputs; their runs are interleaved (in
+alternating order) so machine noise hits all alike, and the ratio to psum is reported,
+with the bytes each device sends read from the compiled program (gradcomm.wire). Writes
 bench_collectives.json and bench_collectives.md to --out.
 """
 
@@ -30,10 +32,17 @@ from jax.sharding import PartitionSpec as P
 import gradcomm
 from gradcomm import parallel
 
+
+def transformation(tx: Any) -> Callable[[Any], Any]:
+    """A gradcomm transformation's update at step 0 as a collective on the devices' trees."""
+    return lambda tree: tx.update(tree, tx.init(tree))[0]
+
+
 # Each collective maps this device's pytree to the reduced pytree, inside shard_map.
 COLLECTIVES: dict[str, Callable[[Any], Any]] = {
     "psum": lambda tree: lax.psum(tree, "data"),
     "adasum": lambda tree: gradcomm.adasum_reduce(tree, "data"),
+    "terngrad": transformation(gradcomm.terngrad("data")),
 }
 DEFAULT_SIZES = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
 

@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> None:
         help=f"comma-separated methods, from: {', '.join(_common.METHODS)}",
     )
     parser.add_argument("--optimizer", default="adam", help="adam, sgd or momentum")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
+    parser.add_argument("--schedule", default="cosine", help="cosine (decay to 0) or constant")
+    parser.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=16, help="examples per device per step")
     _common.add_common_args(parser)
     args = parser.parse_args(argv)
@@ -45,9 +46,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test"
         )
 
+    steps = args.epochs * _common.steps_per_epoch(data, len(devices) * args.batch_size)
     results = []
     for method in methods:
-        tx = _common.METHODS[method](_common.optimizer(args.optimizer, args.lr))
+        inner = _common.optimizer(args.optimizer, args.lr, steps, args.schedule)
+        tx = _common.METHODS[method](inner)
         result = _common.train(
             method,
             tx,

@@ -15,17 +15,21 @@ from gradcomm.adasum import (
     orthogonality,
 )
 from gradcomm.dense import AllReduceState, allreduce
+from gradcomm.terngrad import TernGradState, ternarize, terngrad
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdasumState",
     "AllReduceState",
+    "TernGradState",
     "adasum",
     "adasum_pair",
     "adasum_reduce",
     "allreduce",
     "orthogonality",
     "parallel",
+    "ternarize",
+    "terngrad",
     "wire",
 ]

@@ -51,31 +51,6 @@ class AdasumState(NamedTuple):
     count: jax.Array
 
 
-def _exact_pow2(e: jax.Array, dtype: np.dtype) -> jax.Array:
-    """2**e for integer e in the normal range of `dtype`, built from bits (exact)."""
-    info = jnp.finfo(dtype)
-    itype = jnp.int32 if info.bits == 32 else jnp.int64
-    bits = (e.astype(itype) + (info.maxexp - 1)) << info.nmant
-    return lax.bitcast_convert_type(bits, dtype)
-
-
-def _pow2_scale(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Power-of-two scales for maxima `m >= 0`, and their exact reciprocals.
-
-    `scale >= m` is the smallest such power of two, clamped so that both it and its
-    reciprocal are normal numbers. A zero maximum gets scale 0 (it adds nothing to a
-    group) and reciprocal 1; a non-finite one gets 1 and 1, so the inf or NaN reaches the
-    dot products and poisons the leaf.
-    """
-    info = jnp.finfo(m.dtype)
-    _, e = jnp.frexp(m)
-    e = jnp.clip(e, info.minexp, info.maxexp - 2)
-    finite = jnp.isfinite(m)
-    scale = jnp.where(m == 0, 0, jnp.where(finite, _exact_pow2(e, m.dtype), 1))
-    inverse = jnp.where((m == 0) | ~finite, 1, _exact_pow2(-e, m.dtype))
-    return scale.astype(m.dtype), inverse.astype(m.dtype)
-
-
 def _local_stats(own: jax.Array, other: jax.Array, layout: FlatLayout, ct: np.dtype) -> jax.Array:
     """Per-leaf (scale_own, scale_other, own.other, own.own, other.other) here: `(5, leaves)`.
 
@@ -96,7 +71,7 @@ def _local_stats(own: jax.Array, other: jax.Array, layout: FlatLayout, ct: np.dt
         return jnp.concatenate([jnp.where(zero, 0, 1).astype(ct), sums[:3]])
 
     def scaled() -> jax.Array:
-        scale, inverse = _pow2_scale(layout.segment_max([jnp.abs(x), jnp.abs(y)]))
+        scale, inverse = _base.pow2_scale(layout.segment_max([jnp.abs(x), jnp.abs(y)]))
         xs = x * layout.per_block(inverse[0])
         ys = y * layout.per_block(inverse[1])
         return jnp.concatenate([scale, layout.segment_sum([xs * ys, xs * xs, ys * ys])])
@@ -353,7 +328,7 @@ def orthogonality(
     wide = [x.astype(_base.compute_dtype(x.dtype)) for x in leaves]
     ct = jnp.result_type(*wide) if wide else jnp.float32
     maxima = jnp.stack([jnp.max(jnp.abs(x), initial=0).astype(ct) for x in wide])
-    _, inverse = _pow2_scale(lax.pmax(maxima, axis_name))
+    _, inverse = _base.pow2_scale(lax.pmax(maxima, axis_name))
     squares = [jnp.sum(jnp.square(x * s)) for x, s in zip(wide, inverse.astype(ct), strict=True)]
     total = lax.psum(jnp.stack(squares), axis_name)
     result = [

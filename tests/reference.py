@@ -28,3 +28,25 @@ def adasum(values: list[np.ndarray]) -> np.ndarray:
     p = 1 << (n.bit_length() - 1)
     folded = [adasum_pair(values[i], values[p + i]) if i < n - p else values[i] for i in range(p)]
     return adasum_tree(folded)
+
+
+def terngrad_clip(g: np.ndarray, c: float | None) -> np.ndarray:
+    """TernGrad eq. 21: clip at c standard deviations (no clipping where sigma is 0)."""
+    g = np.asarray(g, np.float64)
+    sigma = g.std()
+    if c is None or sigma == 0:
+        return g
+    return np.clip(g, -c * sigma, c * sigma)
+
+
+def terngrad_moments(gs: list[np.ndarray], c: float | None, scale: float):
+    """Mean and variance of the average over devices of s * sign(g) * Bernoulli(|g| / s).
+
+    Eqs. 1-4: each device's estimate has mean g and variance s|g| - g^2; the devices draw
+    independently and the average divides by N.
+    """
+    clipped = [terngrad_clip(g, c) for g in gs]
+    n = len(gs)
+    mean = sum(clipped) / n
+    variance = sum(scale * np.abs(g) - g**2 for g in clipped) / n**2
+    return mean, variance
