@@ -35,3 +35,12 @@ def test_public_api_is_exported():
     for name in gradcomm.__all__:
         assert hasattr(gradcomm, name), name
     assert sys.modules["gradcomm.adasum"].adasum is gradcomm.adasum
+
+
+def test_readme_python_examples_run():
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
