@@ -172,6 +172,39 @@ def _summed_codes(codes: jax.Array, axis_name: _base.AxisName, n: int, strategy:
     return _packing.unpack(gathered, 2 * n + 1).astype(jnp.int32)[:size] - n
 
 
+def _ternary_mean(
+    leaves: list[jax.Array],
+    key: jax.Array,
+    axis_name: _base.AxisName,
+    n: int,
+    clip: float | None,
+    wire: str,
+) -> list[jax.Array]:
+    """The mean over the devices of the ternarized leaves (eqs. 1-4), sent as `wire` says."""
+    ct = _base.compute_dtype(jnp.result_type(*leaves))
+    clipped = [_clip(leaf.astype(ct), clip) for leaf in leaves]
+    local = jnp.stack([jnp.max(jnp.abs(g)) for g in clipped])
+    # A max-reduction need not propagate NaN; +inf it does, and an infinite scale makes
+    # every element of the leaf non-finite (0 * inf or +-inf).
+    local = jnp.where(jnp.isfinite(local), local, jnp.inf)
+    scales = _round_up_scale(lax.pmax(local, axis_name), n)
+    codes = [
+        _draw(g, s, jax.random.fold_in(key, i))
+        for i, (g, s) in enumerate(zip(clipped, scales, strict=True))
+    ]
+    if wire == "simulate":
+        totals = lax.psum([c.astype(ct) * s for c, s in zip(codes, scales, strict=True)], axis_name)
+    else:
+        strategy = _strategy(n) if wire == "packed" else wire
+        sums = _summed_codes(jnp.concatenate([c.ravel() for c in codes]), axis_name, n, strategy)
+        ends = np.cumsum([c.size for c in codes])
+        totals = [
+            sums[end - c.size : end].reshape(c.shape).astype(ct) * s
+            for end, c, s in zip(ends, codes, scales, strict=True)
+        ]
+    return [(t / n).astype(leaf.dtype) for t, leaf in zip(totals, leaves, strict=True)]
+
+
 def _leaf_names(paths: Sequence[tuple[Any, ...]]) -> list[str]:
     """'Dense_1/kernel' style names for key paths."""
 
@@ -297,35 +330,13 @@ def terngrad(
             averaged = lax.pmean([leaves[i] for i in dense_ids], axis_name)
             for i, leaf in zip(dense_ids, averaged, strict=True):
                 out[i] = leaf
-        ids = [i for i in range(len(leaves)) if i not in dense_ids]
+        ids = [i for i in range(len(leaves)) if i not in set(dense_ids)]
         if ids:
-            step_key = jax.random.fold_in(_as_key(state.key), state.count)
-            step_key = jax.random.fold_in(step_key, _base.axis_index(axis_name))
-            ct = _base.compute_dtype(jnp.result_type(*[leaves[i] for i in ids]))
-            clipped = [_clip(leaves[i].astype(ct), clip) for i in ids]
-            local = jnp.stack([jnp.max(jnp.abs(g)) for g in clipped])
-            # A max-reduction need not propagate NaN; +inf it does, and an infinite scale
-            # makes every element of the leaf non-finite (0 * inf or +-inf).
-            local = jnp.where(jnp.isfinite(local), local, jnp.inf)
-            scales = _round_up_scale(lax.pmax(local, axis_name), n)
-            codes = [
-                _draw(g, s, jax.random.fold_in(step_key, i))
-                for i, g, s in zip(ids, clipped, scales, strict=True)
-            ]
-            if wire == "simulate":
-                totals = lax.psum([c.astype(ct) * s for c, s in zip(codes, scales, strict=True)],
-                                  axis_name)  # fmt: skip
-            else:
-                strategy = _strategy(n) if wire == "packed" else wire
-                flat = jnp.concatenate([c.ravel() for c in codes])
-                sums = _summed_codes(flat, axis_name, n, strategy)
-                offsets = np.cumsum([0] + [c.size for c in codes])
-                totals = [
-                    sums[a:b].reshape(c.shape).astype(ct) * s
-                    for a, b, c, s in zip(offsets[:-1], offsets[1:], codes, scales, strict=True)
-                ]
-            for i, total in zip(ids, totals, strict=True):
-                out[i] = (total / n).astype(leaves[i].dtype)
+            key = jax.random.fold_in(_as_key(state.key), state.count)
+            key = jax.random.fold_in(key, _base.axis_index(axis_name))
+            averaged = _ternary_mean([leaves[i] for i in ids], key, axis_name, n, clip, wire)
+            for i, leaf in zip(ids, averaged, strict=True):
+                out[i] = leaf
         new_state = TernGradState(count=optax.safe_increment(state.count), key=state.key)
         return jax.tree_util.tree_unflatten(treedef, out), new_state
 

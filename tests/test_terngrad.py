@@ -150,10 +150,12 @@ def test_constant_and_size_one_leaves_are_not_zeroed():
 def test_zero_and_non_finite_inputs():
     n = 3
     rng = np.random.default_rng(4)
-    tree = {"zero": np.zeros((n, 6), np.float32),
-            "nan": rng.standard_normal((n, 6)).astype(np.float32),
-            "inf": rng.standard_normal((n, 6)).astype(np.float32),
-            "clean": rng.standard_normal((n, 6)).astype(np.float32)}  # fmt: skip
+    tree = {
+        "zero": np.zeros((n, 6), np.float32),
+        "nan": rng.standard_normal((n, 6)).astype(np.float32),
+        "inf": rng.standard_normal((n, 6)).astype(np.float32),
+        "clean": rng.standard_normal((n, 6)).astype(np.float32),
+    }
     tree["nan"][1, 2] = np.nan
     tree["inf"][2, 0] = np.inf
     for mode in ("packed", "simulate"):
@@ -168,10 +170,16 @@ def test_zero_and_non_finite_inputs():
 def test_dense_leaves_are_averaged_in_float():
     n = 4
     rng = np.random.default_rng(5)
-    tree = {"Dense_0": {"kernel": rng.standard_normal((n, 8, 4)).astype(np.float32),
-                        "bias": rng.standard_normal((n, 4)).astype(np.float32)},
-            "Dense_1": {"kernel": rng.standard_normal((n, 4, 2)).astype(np.float32),
-                        "bias": rng.standard_normal((n, 2)).astype(np.float32)}}  # fmt: skip
+    tree = {
+        "Dense_0": {
+            "kernel": rng.standard_normal((n, 8, 4)).astype(np.float32),
+            "bias": rng.standard_normal((n, 4)).astype(np.float32),
+        },
+        "Dense_1": {
+            "kernel": rng.standard_normal((n, 4, 2)).astype(np.float32),
+            "bias": rng.standard_normal((n, 2)).astype(np.float32),
+        },
+    }
     for dense in (("Dense_1",), 4, lambda name, leaf: name.startswith("Dense_1")):
         out = run(n, tree, dense=dense)
         mean = jax.tree.map(lambda x: x.mean(0), tree)
