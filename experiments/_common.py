@@ -192,12 +192,26 @@ def steps_per_epoch(data: Dataset, global_batch: int) -> int:
 
 # Each method in the place its paper puts it: the all-reduce before the optimizer (it
 # averages gradients), Adasum after it (it combines each device's update, paper A.6),
-# TernGrad before it (it quantizes gradients).
-METHODS: dict[str, Callable[[optax.GradientTransformation], optax.GradientTransformation]] = {
-    "allreduce": lambda opt: optax.chain(gradcomm.allreduce("data"), opt),
-    "adasum": lambda opt: optax.chain(opt, gradcomm.adasum("data")),
-    "terngrad": lambda opt: optax.chain(gradcomm.terngrad("data", dense=["Dense_1"]), opt),
-}
+# TernGrad before it (it quantizes gradients, keeping the last layer in float), LAGS and
+# SLGS after it (they sparsify learning-rate-scaled updates, LAGS eq. 5).
+METHODS = ("allreduce", "adasum", "terngrad", "lags", "slgs")
+
+
+def make_method(
+    name: str, opt: optax.GradientTransformation, *, density: float = 0.01
+) -> optax.GradientTransformation:
+    """The method `name` chained with the inner optimizer; `density` for LAGS and SLGS."""
+    if name == "allreduce":
+        return optax.chain(gradcomm.allreduce("data"), opt)
+    if name == "adasum":
+        return optax.chain(opt, gradcomm.adasum("data"))
+    if name == "terngrad":
+        return optax.chain(gradcomm.terngrad("data", dense=["Dense_1"]), opt)
+    if name == "lags":
+        return optax.chain(opt, gradcomm.lags("data", density=density))
+    if name == "slgs":
+        return optax.chain(opt, gradcomm.slgs("data", density=density))
+    raise SystemExit(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
 
 
 def parse_methods(text: str) -> list[str]:

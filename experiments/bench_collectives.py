@@ -4,6 +4,8 @@
     python experiments/bench_collectives.py                       # 4 KiB .. 64 MiB, 8 devices
     python experiments/bench_collectives.py --sizes 1MiB,16MiB,64MiB --repeats 20
     python experiments/bench_collectives.py --methods terngrad --sizes 4MiB,64MiB
+    python experiments/bench_collectives.py --methods topk-exact,topk-sampled,lags \\
+        --sizes 4MiB,64MiB --density 0.001
 
 A message is each device's buffer of that many bytes (float32), split into --leaves
 leaves; terngrad times its whole update (clip, ternarize, pack, exchange, unpack,
@@ -30,7 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import parallel
+from gradcomm import parallel, sparse
 
 
 def transformation(tx: Any) -> Callable[[Any], Any]:
@@ -38,12 +40,27 @@ def transformation(tx: Any) -> Callable[[Any], Any]:
     return lambda tree: tx.update(tree, tx.init(tree))[0]
 
 
-# Each collective maps this device's pytree to the reduced pytree, inside shard_map.
-COLLECTIVES: dict[str, Callable[[Any], Any]] = {
-    "psum": lambda tree: lax.psum(tree, "data"),
-    "adasum": lambda tree: gradcomm.adasum_reduce(tree, "data"),
-    "terngrad": transformation(gradcomm.terngrad("data")),
-}
+def selection(selector: str, density: float) -> Callable[[Any], Any]:
+    """Top-k selection alone (no communication), k = density * size per leaf."""
+
+    def select(tree: Any) -> Any:
+        return [sparse.topk(x.ravel(), sparse.num_kept(x.size, density), selector)[0] for x in tree]
+
+    return select
+
+
+def collectives(density: float) -> dict[str, Callable[[Any], Any]]:
+    """Each method maps this device's pytree to its result, inside shard_map."""
+    return {
+        "psum": lambda tree: lax.psum(tree, "data"),
+        "adasum": lambda tree: gradcomm.adasum_reduce(tree, "data"),
+        "terngrad": transformation(gradcomm.terngrad("data")),
+        "lags": transformation(gradcomm.lags("data", density=density)),
+        "topk-exact": selection("exact", density),
+        "topk-sampled": selection("sampled", density),
+    }
+
+
 DEFAULT_SIZES = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
 
 
@@ -73,8 +90,10 @@ def make_inputs(mesh: Any, size: int, leaves: int, seed: int) -> list[jax.Array]
 
 
 def compile_collective(fn: Callable[[Any], Any], mesh: Any) -> Callable[[Any], Any]:
-    body = lambda tree: fn([x[0] for x in tree])  # noqa: E731
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    def body(tree: Any) -> Any:
+        return jax.tree.map(lambda x: x[None], fn([x[0] for x in tree]))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
 
 
 def time_once(fn: Callable[[Any], Any], inputs: Any) -> float:
@@ -89,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--methods",
         default="adasum",
-        help=f"methods to compare with psum, from: {', '.join(COLLECTIVES)}",
+        help="methods to compare with psum: adasum, terngrad, lags, or topk-exact and "
+        "topk-sampled (the selection alone)",
+    )
+    parser.add_argument(
+        "--density", type=float, default=0.001, help="k/d for lags and the top-k selectors"
     )
     parser.add_argument("--leaves", type=int, default=1, help="leaves each message is split into")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per method and size")
@@ -97,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = ["psum"] + [m for m in args.methods.split(",") if m and m != "psum"]
-    unknown = [m for m in methods if m not in COLLECTIVES]
+    available = collectives(args.density)
+    unknown = [m for m in methods if m not in available]
     if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}: choose from {', '.join(COLLECTIVES)}")
+        raise SystemExit(f"unknown method(s) {unknown}: choose from {', '.join(available)}")
 
     devices = _common.setup(args)
     mesh = parallel.make_mesh(devices=devices)
@@ -112,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for size in tqdm(sizes, desc="sizes", disable=not main_process or args.no_progress):
         inputs = make_inputs(mesh, size, args.leaves, args.seed)
-        compiled = {m: compile_collective(COLLECTIVES[m], mesh) for m in methods}
+        compiled = {m: compile_collective(available[m], mesh) for m in methods}
         wire = {m: gradcomm.wire.measure(compiled[m], inputs).total for m in methods}
         times: dict[str, list[float]] = {m: [] for m in methods}
         for m in methods:
@@ -142,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                 cells += [
                     f"{1e3 * row['median_seconds'][m]:.3f}",
                     f"{row['ratio_to_psum'][m]:.2f}x",
-                    f"{row['wire_bytes'][m] / row['wire_bytes']['psum']:.3f}",
+                    f"{row['wire_bytes'][m] / row['wire_bytes']['psum']:.4f}",
                 ]
             lines.append("| " + " | ".join(cells) + " |")
         table = "\n".join(lines)

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedule", default="cosine", help="cosine (decay to 0) or constant")
     parser.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=16, help="examples per device per step")
+    parser.add_argument("--density", type=float, default=0.01, help="k/d for lags and slgs")
     _common.add_common_args(parser)
     args = parser.parse_args(argv)
     methods = _common.parse_methods(args.method)
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for method in methods:
         inner = _common.optimizer(args.optimizer, args.lr, steps, args.schedule)
-        tx = _common.METHODS[method](inner)
+        tx = _common.make_method(method, inner, density=args.density)
         result = _common.train(
             method,
             tx,

@@ -6,7 +6,7 @@ collectives over a named mesh axis. `gradcomm.parallel` builds the sharded train
 `gradcomm.wire` reads the bytes each device sends from the compiled program.
 """
 
-from gradcomm import parallel, wire
+from gradcomm import parallel, sparse, wire
 from gradcomm.adasum import (
     AdasumState,
     adasum,
@@ -15,6 +15,17 @@ from gradcomm.adasum import (
     orthogonality,
 )
 from gradcomm.dense import AllReduceState, allreduce
+from gradcomm.lags import (
+    LagsPlan,
+    LagsState,
+    SlgsState,
+    lags,
+    lags_delta,
+    lags_plan,
+    lags_profile,
+    lags_speedup_bound,
+    slgs,
+)
 from gradcomm.terngrad import TernGradState, ternarize, terngrad
 
 __version__ = "0.1.0"
@@ -22,13 +33,23 @@ __version__ = "0.1.0"
 __all__ = [
     "AdasumState",
     "AllReduceState",
+    "LagsPlan",
+    "LagsState",
+    "SlgsState",
     "TernGradState",
     "adasum",
     "adasum_pair",
     "adasum_reduce",
     "allreduce",
+    "lags",
+    "lags_delta",
+    "lags_plan",
+    "lags_profile",
+    "lags_speedup_bound",
     "orthogonality",
     "parallel",
+    "slgs",
+    "sparse",
     "ternarize",
     "terngrad",
     "wire",

@@ -113,6 +113,33 @@ def check_float_leaves(tree: Any, who: str) -> None:
             )
 
 
+def leaf_names(paths: Sequence[tuple[Any, ...]]) -> list[str]:
+    """'Dense_1/kernel' style names for pytree key paths."""
+
+    def part(key: Any) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return ["/".join(part(k) for k in path) for path in paths]
+
+
+def match_names(entries: Sequence[str], names: Sequence[str], arg: str) -> list[str | None]:
+    """For each leaf name, the first entry equal to it or a '/'-prefix of it (else None).
+
+    Raises a `ValueError` naming `arg` for entries that match no leaf.
+    """
+
+    def match(entry: str, name: str) -> bool:
+        return name == entry or name.startswith(entry + "/")
+
+    unknown = [e for e in entries if not any(match(e, name) for name in names)]
+    if unknown:
+        raise ValueError(f"{arg} names {unknown} match no leaf; the leaves are {list(names)}")
+    return [next((e for e in entries if match(e, name)), None) for name in names]
+
+
 def compute_dtype(dtype: Any) -> np.dtype:
     """The accumulation dtype for a floating dtype: at least float32."""
     return np.dtype(jnp.promote_types(dtype, jnp.float32))

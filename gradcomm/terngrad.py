@@ -205,18 +205,6 @@ def _ternary_mean(
     return [(t / n).astype(leaf.dtype) for t, leaf in zip(totals, leaves, strict=True)]
 
 
-def _leaf_names(paths: Sequence[tuple[Any, ...]]) -> list[str]:
-    """'Dense_1/kernel' style names for key paths."""
-
-    def part(key: Any) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
-    return ["/".join(part(k) for k in path) for path in paths]
-
-
 def _dense_mask(names: list[str], leaves: list[jax.Array], dense: Dense) -> list[bool]:
     """Which leaves stay in float: by name (or name prefix), size threshold or predicate."""
     if dense is None:
@@ -226,14 +214,7 @@ def _dense_mask(names: list[str], leaves: list[jax.Array], dense: Dense) -> list
     if callable(dense):
         return [bool(dense(name, leaf)) for name, leaf in zip(names, leaves, strict=True)]
     entries = [dense] if isinstance(dense, str) else list(dense)
-
-    def match(entry: str, name: str) -> bool:
-        return name == entry or name.startswith(entry + "/")
-
-    unknown = [e for e in entries if not any(match(e, name) for name in names)]
-    if unknown:
-        raise ValueError(f"dense names {unknown} match no leaf; the leaves are {names}")
-    return [any(match(e, name) for e in entries) for name in names]
+    return [entry is not None for entry in _base.match_names(entries, names, "dense")]
 
 
 def _check_dense(dense: Dense) -> None:
@@ -323,7 +304,7 @@ def terngrad(
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         paths = [p for p, _ in paths_leaves]
         leaves = [leaf for _, leaf in paths_leaves]
-        keep_dense = _dense_mask(_leaf_names(paths), leaves, dense)
+        keep_dense = _dense_mask(_base.leaf_names(paths), leaves, dense)
         out = list(leaves)
         dense_ids = [i for i, d in enumerate(keep_dense) if d or not leaves[i].size]
         if dense_ids:

@@ -50,3 +50,40 @@ def terngrad_moments(gs: list[np.ndarray], c: float | None, scale: float):
     mean = sum(clipped) / n
     variance = sum(scale * np.abs(g) - g**2 for g in clipped) / n**2
     return mean, variance
+
+
+def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |x| (ties towards lower indices), as lax.top_k picks them."""
+    return np.argsort(-np.abs(np.ravel(x)), kind="stable")[:k]
+
+
+def lags_step(residuals: list[np.ndarray], updates: list[np.ndarray], k: int):
+    """LAGS-SGD Algorithm 1 / eq. 5 for one leaf on P devices.
+
+    acc_p = residual_p + update_p; each device sends TopK(acc_p, k) and keeps the rest;
+    the output is (1/P) sum_p TopK(acc_p, k). Returns (output, new residuals, sent).
+    """
+    sent, new_residuals = [], []
+    for r, u in zip(residuals, updates, strict=True):
+        acc = (np.asarray(r) + np.asarray(u)).ravel()  # in the leaf's dtype, like the code
+        idx = topk_indices(acc, k)
+        s = np.zeros_like(acc)
+        s[idx] = acc[idx]
+        sent.append(s)
+        kept = acc.copy()
+        kept[idx] = 0
+        new_residuals.append(kept.reshape(np.shape(r)))
+    output = np.sum([s.astype(np.float64) for s in sent], axis=0) / len(updates)
+    return output.reshape(np.shape(updates[0])), new_residuals, sent
+
+
+def lags_delta(accs: list[np.ndarray], k: int) -> float:
+    """Eq. 20 with E|x - RandK(x, k)|^2 = (1 - k/d)|x|^2."""
+    accs = [np.asarray(a, np.float64).ravel() for a in accs]
+    total = np.sum(accs, axis=0)
+    sent = np.zeros_like(total)
+    for a in accs:
+        idx = topk_indices(a, k)
+        sent[idx] += a[idx]
+    expected = (1 - k / total.size) * np.sum(total**2)
+    return float(np.sum((total - sent) ** 2) / expected) if expected > 0 else 0.0

@@ -281,7 +281,7 @@ def test_state_counts_steps():
     tx = gradcomm.adasum()
     state = tx.init({"w": jnp.ones(3)})
     assert isinstance(state, gradcomm.AdasumState)
-    _, state = jax.vmap(lambda g: tx.update(g, state), axis_name="data")(jnp.ones((2, 3)))
+    _, state = jax.jit(jax.vmap(lambda g: tx.update(g, state), axis_name="data"))(jnp.ones((2, 3)))
     np.testing.assert_array_equal(state.count, [1, 1])
 
 

@@ -21,6 +21,8 @@ METHODS = {
     # Adasum after Adam: per-device Adam moments; TernGrad: a key and a step count.
     "adasum": lambda: optax.chain(optax.adam(1e-2), gradcomm.adasum("data")),
     "terngrad": lambda: optax.chain(gradcomm.terngrad("data", seed=3), optax.adam(1e-2)),
+    # LAGS after SGD: per-device residuals.
+    "lags": lambda: optax.chain(optax.sgd(0.05), gradcomm.lags("data", density=0.1)),
 }
 
 
@@ -63,3 +65,6 @@ def test_state_checkpoints_and_restores_bit_identically(tmp_path, method):
     if method == "adasum":  # each device ran its own Adam on its own gradients
         mu = np.asarray(state[0][0].mu["w1"])
         assert not np.array_equal(mu[0], mu[1])
+    if method == "lags":  # each device kept its own residual
+        residual = np.asarray(state[1].residual["w1"])
+        assert not np.array_equal(residual[0], residual[1])

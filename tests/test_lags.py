@@ -1,0 +1,234 @@
+"""LAGS-SGD and SLGS against a NumPy reference of Algorithm 1, on 1 to 8 devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+from helpers import mesh_of, per_device
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+from gradcomm import wire
+
+SHAPES = {"w": (20, 9), "b": (9,), "scalar": (), "one": (1,)}
+
+
+@functools.cache
+def steps_fn(density, selector="exact", steps=3, method="lags"):
+    """`steps` updates in a row on one device's updates (steps, ...): outputs and residuals."""
+    factory = gradcomm.lags if method == "lags" else gradcomm.slgs
+
+    def f(updates):
+        tx = factory("data", density=density, selector=selector)
+        state = tx.init(jax.tree.map(lambda u: u[0], updates))
+        outs, residuals = [], []
+        for t in range(steps):
+            out, state = tx.update(jax.tree.map(lambda u, t=t: u[t], updates), state)
+            outs.append(out)
+            residuals.append(state.residual)
+        stack = lambda xs: jax.tree.map(lambda *v: jnp.stack(v), *xs)  # noqa: E731
+        return stack(outs), stack(residuals)
+
+    return f
+
+
+def random_updates(n, steps, seed):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal((n, steps, *s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("selector", ["exact", "sampled"])
+def test_matches_algorithm_1_over_several_steps(n, selector):
+    density, steps = 0.1, 3
+    updates = random_updates(n, steps, n)
+    outs, residuals = per_device(steps_fn(density, selector, steps), n, updates)
+    for leaf, shape in SHAPES.items():
+        size = int(np.prod(shape))
+        k = max(1, round(density * size))
+        r = [np.zeros(shape, np.float32)] * n
+        for t in range(steps):
+            u = [updates[leaf][p, t] for p in range(n)]
+            expected, r, sent = reference.lags_step(r, u, k)
+            for p in range(n):
+                np.testing.assert_array_equal(outs[leaf][p, t], outs[leaf][0, t])  # same bits
+                # The residual keeps exactly what was not sent.
+                np.testing.assert_array_equal(residuals[leaf][p, t], r[p])
+                acc = (residuals[leaf][p, t - 1] if t else 0) + u[p]
+                np.testing.assert_array_equal(
+                    residuals[leaf][p, t].ravel() + sent[p], np.ravel(acc)
+                )
+            np.testing.assert_allclose(outs[leaf][0, t], expected, rtol=1e-6, atol=1e-7)
+            assert np.count_nonzero(outs[leaf][0, t]) <= n * k
+
+
+def test_density_one_gives_the_dense_mean():
+    n = 4
+    updates = random_updates(n, 2, 0)
+    outs, residuals = per_device(steps_fn(1.0, steps=2), n, updates)
+    for leaf in SHAPES:
+        np.testing.assert_allclose(outs[leaf][0], updates[leaf].mean(0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(residuals[leaf], 0)
+
+
+def test_size_one_leaves_always_send():
+    """k >= 1: a scalar at density 0.001 is sent every step, so its output is the mean."""
+    n = 3
+    updates = random_updates(n, 2, 1)
+    outs, _ = per_device(steps_fn(0.001, steps=2), n, updates)
+    for leaf in ("scalar", "one"):
+        np.testing.assert_allclose(outs[leaf][0], updates[leaf].mean(0), rtol=1e-6)
+
+
+def test_zero_and_non_finite_updates():
+    n = 2
+    updates = random_updates(n, 2, 2)
+    updates["w"][:] = 0
+    updates["b"][1, 0, 3] = np.nan
+    outs, residuals = per_device(steps_fn(0.2, steps=2), n, updates)
+    np.testing.assert_array_equal(outs["w"], 0)
+    np.testing.assert_array_equal(residuals["w"], 0)
+    # A NaN is sent at once (non-finite values rank first), so it shows in the output
+    # instead of hiding in the residual.
+    assert np.isnan(outs["b"][0, 0, 3])
+    assert np.isfinite(residuals["b"]).all()
+
+
+def test_slgs_is_one_top_k_over_the_whole_model():
+    n, density = 4, 0.05
+    updates = random_updates(n, 1, 3)
+    outs, residuals = per_device(steps_fn(density, steps=1, method="slgs"), n, updates)
+    names = list(SHAPES)
+    flat = [np.concatenate([updates[k][p, 0].ravel() for k in names]) for p in range(n)]
+    total = flat[0].size
+    k = max(1, round(density * total))
+    expected, r, _ = reference.lags_step([np.zeros(total, np.float32)] * n, flat, k)
+    got = np.concatenate([outs[name][0, 0].ravel() for name in names])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    got_residual = np.concatenate([residuals[name][2, 0].ravel() for name in names])
+    np.testing.assert_array_equal(got_residual, r[2])
+
+
+def test_per_leaf_densities_by_name_and_prefix():
+    tx = gradcomm.lags("data", density={"layer": 0.5, "head/bias": 1.0, "head/kernel": 0.25})
+    updates = {
+        "layer": {"kernel": jnp.arange(8.0)},
+        "head": {"kernel": jnp.arange(8.0), "bias": jnp.ones(2)},
+    }
+    state = tx.init(updates)
+    out, _ = jax.vmap(lambda u: tx.update(u, state), axis_name="data")(
+        jax.tree.map(lambda x: x[None], updates)
+    )
+    assert int(jnp.count_nonzero(out["layer"]["kernel"])) == 4
+    assert int(jnp.count_nonzero(out["head"]["kernel"])) == 2
+    np.testing.assert_array_equal(out["head"]["bias"][0], 1.0)
+    missing = gradcomm.lags("data", density={"layer": 0.5})
+    with pytest.raises(ValueError, match="no value for leaves"):
+        jax.vmap(lambda u: missing.update(u, missing.init(u)), axis_name="data")(
+            jax.tree.map(lambda x: x[None], updates)
+        )
+    unknown = gradcomm.lags("data", density={"nope": 0.5, "layer": 0.5, "head": 0.5})
+    with pytest.raises(ValueError, match=r"\['nope'\] match no leaf"):
+        jax.vmap(lambda u: unknown.update(u, unknown.init(u)), axis_name="data")(
+            jax.tree.map(lambda x: x[None], updates)
+        )
+
+
+@pytest.mark.parametrize("density", [0, -0.5, 1.01, {"w": 0.0}, {}])
+def test_bad_densities_raise(density):
+    with pytest.raises(ValueError, match="density"):
+        gradcomm.lags("data", density=density)
+    if not isinstance(density, dict):
+        with pytest.raises(ValueError, match="density"):
+            gradcomm.slgs("data", density=density)
+
+
+def test_bad_selector_raises():
+    with pytest.raises(ValueError, match="selector"):
+        gradcomm.lags("data", selector="heap")
+
+
+def delta_fn(acc):
+    return gradcomm.lags_delta(acc, 0.1, "data")
+
+
+def test_delta_matches_eq_20():
+    n = 4
+    rng = np.random.default_rng(4)
+    acc = {"w": rng.standard_normal((n, 300)).astype(np.float32)}
+    acc["w"][:, :5] *= 20  # a few large entries every device agrees on: top-k shines
+    got = per_device(delta_fn, n, acc)["w"][0]
+    np.testing.assert_allclose(got, reference.lags_delta(list(acc["w"]), 30), rtol=1e-5)
+    assert got < 1
+
+
+def test_speedup_bound_follows_eq_19():
+    tf, tb = 1.0, 3.0
+    for tc in (0.5, 1.0, 3.0, 6.0):
+        expected = (tf + tb + tc) / (tf + tb + tc - min(tb, tc))
+        assert gradcomm.lags_speedup_bound(tf, tb, tc) == pytest.approx(expected)
+    peak = gradcomm.lags_speedup_bound(tf, tb, tb)
+    assert peak == pytest.approx(1 + tb / (tf + tb))
+    assert all(gradcomm.lags_speedup_bound(tf, tb, tc) <= peak for tc in np.linspace(0.01, 10, 50))
+    assert gradcomm.lags_speedup_bound(tf, tb, 0.0) == 1.0
+    with pytest.raises(ValueError):
+        gradcomm.lags_speedup_bound(1.0, 0.0, 1.0)
+
+
+def test_plan_gives_lower_density_where_communication_cannot_hide():
+    sizes = {"head": 50_000, "middle": 50_000, "stem": 50_000}
+    # The head's communication hides behind the middle's long backward pass, the middle's
+    # behind the stem's short one, and the stem's behind nothing.
+    backward = {"head": 1e-3, "middle": 5e-3, "stem": 2e-4}
+    plan = gradcomm.lags_plan(backward, sizes, num_devices=8, latency=1e-5, bandwidth=1e9)
+    d = plan.densities
+    assert d["head"] > d["middle"] > d["stem"] == pytest.approx(1 / 1000)
+    assert plan.hidden == {"head": True, "middle": True, "stem": False}
+    for name in sizes:
+        k = round(d[name] * sizes[name])
+        assert plan.comm_seconds[name] == pytest.approx(1e-5 * 7 + 7 * k * 8 / 1e9)
+    slow = gradcomm.lags_plan(backward, sizes, num_devices=8, latency=1e-5, bandwidth=1e7)
+    assert all(slow.densities[name] <= d[name] for name in sizes)
+    single = gradcomm.lags_plan(backward, sizes, num_devices=1, latency=1e-5, bandwidth=1e9)
+    assert set(single.densities.values()) == {1.0}
+    assert "| stem |" in plan.table()
+    with pytest.raises(ValueError, match="different leaves"):
+        gradcomm.lags_plan(backward, {"head": 1}, num_devices=2, latency=0, bandwidth=1)
+
+
+def test_profile_orders_leaves_from_the_output():
+    def loss(p, x):
+        h = jnp.tanh(x @ p["stem"])
+        h = jnp.tanh(h @ p["middle"])
+        return jnp.sum(h @ p["head"])
+
+    params = {"stem": jnp.ones((32, 64)), "middle": jnp.ones((64, 64)), "head": jnp.ones((64, 4))}
+    times = gradcomm.lags_profile(loss, params, jnp.ones((16, 32)))
+    assert list(times) == ["head", "middle", "stem"]
+    assert all(t >= 0 for t in times.values())
+    plan = gradcomm.lags_plan(
+        times, {k: v.size for k, v in params.items()}, num_devices=4, latency=1e-6, bandwidth=1e9
+    )
+    assert list(plan.densities) == ["head", "middle", "stem"]
+
+
+def test_wire_bytes_at_density_one_in_a_thousand():
+    """N = 8, density 0.001, 1.2M parameters: at least 100x fewer bytes than a dense psum."""
+    n = 8
+    shapes = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
+    mesh = mesh_of(n)
+    sharding = NamedSharding(mesh, P("data"))
+    tree = [jax.ShapeDtypeStruct((n, *s), jnp.float32, sharding=sharding) for s in shapes]
+    tx = gradcomm.lags("data", density=0.001)
+
+    def mapped(fn):
+        body = lambda t: fn([x[0] for x in t])  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+    psum = wire.measure(mapped(lambda t: jax.lax.psum(t, "data")), tree).total
+    lags = wire.measure(mapped(lambda t: tx.update(t, tx.init(t))[0]), tree).total
+    assert psum / lags >= 100
