@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gradcomm
 from gradcomm import parallel
@@ -193,24 +195,88 @@ def steps_per_epoch(data: Dataset, global_batch: int) -> int:
 # Each method in the place its paper puts it: the all-reduce before the optimizer (it
 # averages gradients), Adasum after it (it combines each device's update, paper A.6),
 # TernGrad before it (it quantizes gradients, keeping the last layer in float), LAGS and
-# SLGS after it (they sparsify learning-rate-scaled updates, LAGS eq. 5).
-METHODS = ("allreduce", "adasum", "terngrad", "lags", "slgs")
+# SLGS after it (they sparsify learning-rate-scaled updates, LAGS eq. 5), gradient
+# dropping before it (Algorithm 1 feeds the optimizer), local SGD after it.
+METHODS = (
+    "allreduce",
+    "adasum",
+    "terngrad",
+    "lags",
+    "slgs",
+    "dropping",
+    "dropping-local",
+    "local-sgd",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A method as the training loop needs it.
+
+    Attributes:
+      name: the method's name.
+      tx: the transformation, chained with the inner optimizer.
+      per_device: whether devices hold different params (local gradients, local SGD).
+      steady_tx: the same without warm-up or parameter averaging, for bytes per step.
+      average_every: the parameter averaging period, if any (amortized in bytes per step).
+    """
+
+    name: str
+    tx: optax.GradientTransformation
+    per_device: bool = False
+    steady_tx: optax.GradientTransformation | None = None
+    average_every: int | None = None
 
 
 def make_method(
-    name: str, opt: optax.GradientTransformation, *, density: float = 0.01
-) -> optax.GradientTransformation:
-    """The method `name` chained with the inner optimizer; `density` for LAGS and SLGS."""
+    name: str,
+    opt: optax.GradientTransformation,
+    *,
+    density: float = 0.01,
+    drop_ratio: float = 0.99,
+    warmup_steps: int = 50,
+    average_every: int = 50,
+    local_every: int = 20,
+) -> Method:
+    """The method `name` chained with the inner optimizer."""
     if name == "allreduce":
-        return optax.chain(gradcomm.allreduce("data"), opt)
+        return Method(name, optax.chain(gradcomm.allreduce("data"), opt))
     if name == "adasum":
-        return optax.chain(opt, gradcomm.adasum("data"))
+        return Method(name, optax.chain(opt, gradcomm.adasum("data")))
     if name == "terngrad":
-        return optax.chain(gradcomm.terngrad("data", dense=["Dense_1"]), opt)
+        return Method(name, optax.chain(gradcomm.terngrad("data", dense=["Dense_1"]), opt))
     if name == "lags":
-        return optax.chain(opt, gradcomm.lags("data", density=density))
+        return Method(name, optax.chain(opt, gradcomm.lags("data", density=density)))
     if name == "slgs":
-        return optax.chain(opt, gradcomm.slgs("data", density=density))
+        return Method(name, optax.chain(opt, gradcomm.slgs("data", density=density)))
+    if name in ("dropping", "dropping-local"):
+        local = "compensated" if name == "dropping-local" else None
+        every = average_every if local else None
+
+        def dropping(warmup: int, every: int | None) -> optax.GradientTransformation:
+            return gradcomm.gradient_dropping(
+                "data",
+                drop_ratio=drop_ratio,
+                local=local,
+                warmup_steps=warmup,
+                average_every=every,
+            )
+
+        return Method(
+            name,
+            optax.chain(dropping(warmup_steps, every), opt),
+            per_device=local is not None,
+            steady_tx=optax.chain(dropping(0, None), opt),
+            average_every=every,
+        )
+    if name == "local-sgd":
+        return Method(
+            name,
+            optax.chain(opt, gradcomm.local_sgd("data", every=local_every)),
+            per_device=True,
+            steady_tx=opt,
+            average_every=local_every,
+        )
     raise SystemExit(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
 
 
@@ -238,9 +304,37 @@ class RunResult:
     wall_seconds: float
 
 
+def bytes_per_step(
+    method: Method, loss_fn: Callable[..., Any], mesh: Any, params: Any, batch: Any
+) -> float:
+    """Bytes one device sends per step after warm-up, averaging amortized over its period.
+
+    Read from compiled programs: the step without warm-up and averaging (the wire model
+    would charge a conditional's largest branch, the dense one, on every step), plus one
+    exact parameter average (a psum of the params) divided by its period.
+    """
+    tx = method.steady_tx or method.tx
+    host = parallel.host_copy(params, per_device=method.per_device)
+    placed = (parallel.per_device if method.per_device else parallel.replicate)(host, mesh)
+    state = parallel.init_state(tx, placed, mesh, params_per_device=method.per_device)
+    step = parallel.train_step(loss_fn, tx, mesh, has_aux=True, params_per_device=method.per_device)
+    total = gradcomm.wire.measure(step, placed, state, batch).total
+    if method.average_every:
+        mean = jax.shard_map(
+            lambda p: jax.lax.pmean(p, "data"),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(),
+            check_vma=False,
+        )
+        total += gradcomm.wire.measure(jax.jit(mean), parallel.replicate(host, mesh)).total / (
+            method.average_every
+        )
+    return total
+
+
 def train(
-    method: str,
-    tx: optax.GradientTransformation,
+    method: Method,
     model: Any,
     data: Dataset,
     mesh: jax.sharding.Mesh,
@@ -250,23 +344,31 @@ def train(
     seed: int,
     progress: bool = True,
 ) -> RunResult:
-    """Trains `model` data-parallel with `tx` on `mesh`; evaluates on the test set each epoch."""
+    """Trains `model` data-parallel with the method on `mesh`; tests each epoch.
+
+    For methods whose devices hold different params, the model tested is the mean of the
+    devices' params (the federated model).
+    """
     from tqdm.auto import tqdm
 
     n = parallel.num_shards(mesh)
     global_batch = n * batch_per_device
     init = model.init(jax.random.key(seed), data.x_train[:1])["params"]
-    params = parallel.replicate(init, mesh)
-    state = parallel.init_state(tx, params, mesh)
-    step = parallel.train_step(classification_loss(model), tx, mesh, has_aux=True, donate=True)
+    place = parallel.per_device if method.per_device else parallel.replicate
+    params = place(init, mesh)
+    state = parallel.init_state(method.tx, params, mesh, params_per_device=method.per_device)
+    loss_fn = classification_loss(model)
+    step = parallel.train_step(
+        loss_fn, method.tx, mesh, has_aux=True, donate=True, params_per_device=method.per_device
+    )
     first = batches(data, global_batch, seed, 0)
     if not first:
         raise SystemExit(f"the global batch {global_batch} is larger than the training set")
-    bytes_per_step = gradcomm.wire.measure(step, params, state, first[0]).total
+    sent = bytes_per_step(method, loss_fn, mesh, params, first[0])
 
     losses, epoch_accuracy, times = [], [], []
     start = time.perf_counter()
-    bar = tqdm(total=epochs * len(first), desc=method, disable=not progress, leave=False)
+    bar = tqdm(total=epochs * len(first), desc=method.name, disable=not progress, leave=False)
     for epoch in range(epochs):
         for batch in batches(data, global_batch, seed, epoch):
             t0 = time.perf_counter()
@@ -276,18 +378,31 @@ def train(
             losses.append(loss)
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", epoch=epoch)
-        host = parallel.host_copy(params)
-        epoch_accuracy.append(accuracy(model, host, data.x_test, data.y_test))
+        epoch_accuracy.append(
+            accuracy(
+                model, _model_params(params, method.per_device, mesh), data.x_test, data.y_test
+            )
+        )
     bar.close()
     return RunResult(
-        method=method,
+        method=method.name,
         losses=losses,
         epoch_accuracy=epoch_accuracy,
         test_accuracy=epoch_accuracy[-1],
         step_seconds=float(np.median(times[1:] or times)),
-        bytes_per_step=bytes_per_step,
+        bytes_per_step=sent,
         wall_seconds=time.perf_counter() - start,
     )
+
+
+def _model_params(params: Any, per_device: bool, mesh: Any) -> Any:
+    """The params to test: the mean over devices for per-device params."""
+    if per_device:
+        mean = jax.jit(
+            lambda t: jax.tree.map(lambda x: x.mean(0), t), out_shardings=NamedSharding(mesh, P())
+        )
+        params = mean(params)
+    return parallel.host_copy(params)
 
 
 # ----------------------------------------------------------------------------- outputs

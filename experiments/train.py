@@ -51,10 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for method in methods:
         inner = _common.optimizer(args.optimizer, args.lr, steps, args.schedule)
-        tx = _common.make_method(method, inner, density=args.density)
+        spec = _common.make_method(method, inner, density=args.density)
         result = _common.train(
-            method,
-            tx,
+            spec,
             model,
             data,
             mesh,

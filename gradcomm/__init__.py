@@ -15,6 +15,12 @@ from gradcomm.adasum import (
     orthogonality,
 )
 from gradcomm.dense import AllReduceState, allreduce
+from gradcomm.dropping import (
+    GradientDroppingState,
+    LocalSgdState,
+    gradient_dropping,
+    local_sgd,
+)
 from gradcomm.lags import (
     LagsPlan,
     LagsState,
@@ -33,19 +39,23 @@ __version__ = "0.1.0"
 __all__ = [
     "AdasumState",
     "AllReduceState",
+    "GradientDroppingState",
     "LagsPlan",
     "LagsState",
+    "LocalSgdState",
     "SlgsState",
     "TernGradState",
     "adasum",
     "adasum_pair",
     "adasum_reduce",
     "allreduce",
+    "gradient_dropping",
     "lags",
     "lags_delta",
     "lags_plan",
     "lags_profile",
     "lags_speedup_bound",
+    "local_sgd",
     "orthogonality",
     "parallel",
     "slgs",

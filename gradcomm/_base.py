@@ -9,7 +9,7 @@ behaviour differs between those contexts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +168,28 @@ def pow2_scale(m: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.where(m == 0, 0, jnp.where(finite, exact_pow2(e, m.dtype), 1))
     inverse = jnp.where((m == 0) | ~finite, 1, exact_pow2(-e, m.dtype))
     return scale.astype(m.dtype), inverse.astype(m.dtype)
+
+
+class ParamsAveraging(NamedTuple):
+    """A marker inside a transformation's state: average the params over the devices now.
+
+    Averaging params through an additive update cannot make every device's copy the same
+    bits (p + (a - p) rounds differently for different p), so transformations that
+    average params defer the assignment to `gradcomm.parallel.train_step`, which passes
+    `defer_params_averaging=True` and sets the params to their exact mean when `due`.
+    """
+
+    due: jax.Array  # bool scalar
+
+
+DEFER_AVERAGING = "defer_params_averaging"
+
+
+def averaging_due(count: jax.Array, every: int | None) -> jax.Array:
+    """Whether the step that increments `count` is an averaging step: steps every, 2 every, ..."""
+    if every is None:
+        return jnp.zeros([], bool)
+    return (count + 1) % every == 0
 
 
 def zero_count() -> jax.Array:

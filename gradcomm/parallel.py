@@ -152,6 +152,13 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
     return frozenset(manual.varying) if manual is not None else frozenset()
 
 
+def _averaging_due(state: Any) -> jax.Array | None:
+    """Whether any `ParamsAveraging` marker in a transformation's state asks for averaging."""
+    markers = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _base.ParamsAveraging))
+    flags = [m.due for m in markers if isinstance(m, _base.ParamsAveraging)]
+    return jnp.any(jnp.stack(flags)) if flags else None
+
+
 def _per_device_leaves(state: Any, spec: P) -> list[bool]:
     """Which leaves of a placed state carry a leading device axis (sharded as `spec`)."""
     flags = []
@@ -202,6 +209,11 @@ def _vary(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _mean(params: Any, names: tuple[str, ...]) -> Any:
+    """The mean of per-device params, typed as per-device again (for `lax.cond`)."""
+    return jax.tree.map(lambda x: _vary(x, names), lax.pmean(params, names))
+
+
 def _layout(
     tx: optax.GradientTransformation,
     params: Any,
@@ -216,6 +228,7 @@ def _layout(
     leaf changes (leaves only ever move to per device, so this ends).
     """
     param_spec = device_spec(mesh, names) if params_per_device else P()
+    tx = optax.with_extra_args_support(tx)
     shapes = jax.eval_shape(tx.init, _local_shapes(params, params_per_device))
     flags = [False] * len(jax.tree.leaves(shapes))
     while True:
@@ -226,7 +239,9 @@ def _layout(
             leaves, treedef = jax.tree.flatten(tx.init(params))
             leaves = [_vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
             grads = jax.tree.map(lambda x: _vary(jnp.zeros_like(x), names), params)
-            _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
+            _, new_state = tx.update(
+                grads, jax.tree.unflatten(treedef, leaves), params, **{_base.DEFER_AVERAGING: True}
+            )
             found.extend(bool(_varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state))
             return jnp.zeros(())
 
@@ -296,7 +311,7 @@ class TrainStep:
         has_aux: bool,
         donate: bool,
     ) -> None:
-        self._tx, self._mesh, self._names = tx, mesh, names
+        self._tx, self._mesh, self._names = optax.with_extra_args_support(tx), mesh, names
         self._params_per_device, self._has_aux, self._donate = params_per_device, has_aux, donate
         self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
         self._spec = device_spec(mesh, names)
@@ -312,9 +327,14 @@ class TrainStep:
             # over the devices; the transformation must see each device's own gradient.
             out, grads = self._grad_fn(jax.tree.map(lambda x: _vary(x, names), params), batch)
             loss, aux = out if self._has_aux else (out, {})
-            updates, state = tx.update(grads, _unstack(state, flags), params)
+            updates, state = tx.update(
+                grads, _unstack(state, flags), params, **{_base.DEFER_AVERAGING: True}
+            )
             params = optax.apply_updates(params, updates)
             if self._params_per_device:
+                due = _averaging_due(state)
+                if due is not None:  # the exact mean, the same bits on every device
+                    params = lax.cond(due, lambda p: _mean(p, names), lambda p: p, params)
                 params = jax.tree.map(lambda x: x[None], params)
             else:
                 for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -376,6 +396,12 @@ def train_step(
     On each device: the loss and gradient of `loss_fn(params, local_batch)`, then
     `tx.update(grads, state, params)` (the transformation's collectives run here), then
     `optax.apply_updates`. Metrics are averaged over devices.
+
+    Periodic parameter averaging (`gradcomm.local_sgd`, `gradient_dropping(average_every=
+    k)`) happens here: the step passes `defer_params_averaging=True` to the
+    transformation, which then returns its plain update and marks the step in its state,
+    and the step sets the per-device params to their exact mean (the same bits on every
+    device, which no additive update could guarantee).
 
     Args:
       loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, metrics_dict)` with `has_aux`.

@@ -87,3 +87,32 @@ def lags_delta(accs: list[np.ndarray], k: int) -> float:
         sent[idx] += a[idx]
     expected = (1 - k / total.size) * np.sum(total**2)
     return float(np.sum((total - sent) ** 2) / expected) if expected > 0 else 0.0
+
+
+def gradient_dropping_step(residuals, grads, k, local):
+    """Aji et al. Algorithm 1 plus section 3, divided by N, for one leaf on N nodes.
+
+    E_n = residual_n + L_n; S_n = TopK(E_n, k); G = sum_n S_n; C_n = G (None),
+    G + L_n ("sum") or G - S_n + L_n ("compensated"); all divided by N.
+    Returns (C per node, new residuals, S per node).
+    """
+    n = len(grads)
+    out, new_residuals, sent = [], [], []
+    for r, g in zip(residuals, grads, strict=True):
+        acc = (np.asarray(r) + np.asarray(g)).ravel()
+        idx = topk_indices(acc, k)
+        s = np.zeros_like(acc)
+        s[idx] = acc[idx]
+        kept = acc.copy()
+        kept[idx] = 0
+        sent.append(s)
+        new_residuals.append(kept.reshape(np.shape(g)))
+    total = np.sum([s.astype(np.float64) for s in sent], axis=0)
+    for g, s in zip(grads, sent, strict=True):
+        c = total.copy()
+        if local == "sum":
+            c += np.ravel(g)
+        elif local == "compensated":
+            c += np.ravel(g) - s
+        out.append((c / n).reshape(np.shape(g)))
+    return out, new_residuals, sent

@@ -21,8 +21,11 @@ METHODS = {
     # Adasum after Adam: per-device Adam moments; TernGrad: a key and a step count.
     "adasum": lambda: optax.chain(optax.adam(1e-2), gradcomm.adasum("data")),
     "terngrad": lambda: optax.chain(gradcomm.terngrad("data", seed=3), optax.adam(1e-2)),
-    # LAGS after SGD: per-device residuals.
+    # LAGS after SGD, gradient dropping before Adam (its warm-up ends mid-run): residuals.
     "lags": lambda: optax.chain(optax.sgd(0.05), gradcomm.lags("data", density=0.1)),
+    "dropping": lambda: optax.chain(
+        gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=4), optax.adam(1e-2)
+    ),
 }
 
 
@@ -65,6 +68,6 @@ def test_state_checkpoints_and_restores_bit_identically(tmp_path, method):
     if method == "adasum":  # each device ran its own Adam on its own gradients
         mu = np.asarray(state[0][0].mu["w1"])
         assert not np.array_equal(mu[0], mu[1])
-    if method == "lags":  # each device kept its own residual
-        residual = np.asarray(state[1].residual["w1"])
+    if method in ("lags", "dropping"):  # each device kept its own residual
+        residual = np.asarray(state[1 if method == "lags" else 0].residual["w1"])
         assert not np.array_equal(residual[0], residual[1])

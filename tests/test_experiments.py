@@ -38,7 +38,16 @@ def test_train_writes_json_png_and_markdown(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads((tmp_path / "train.json").read_text())["runs"]
-    assert [r["method"] for r in runs] == ["allreduce", "adasum", "terngrad", "lags", "slgs"]
+    assert [r["method"] for r in runs] == [
+        "allreduce",
+        "adasum",
+        "terngrad",
+        "lags",
+        "slgs",
+        "dropping",
+        "dropping-local",
+        "local-sgd",
+    ]
     for r in runs:
         assert 0.5 < r["test_accuracy"] <= 1 and r["bytes_per_step"] > 0
         assert r["losses"][-1] < r["losses"][0]
