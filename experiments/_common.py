@@ -196,7 +196,8 @@ def steps_per_epoch(data: Dataset, global_batch: int) -> int:
 # averages gradients), Adasum after it (it combines each device's update, paper A.6),
 # TernGrad before it (it quantizes gradients, keeping the last layer in float), LAGS and
 # SLGS after it (they sparsify learning-rate-scaled updates, LAGS eq. 5), gradient
-# dropping before it (Algorithm 1 feeds the optimizer), local SGD after it.
+# dropping before it (Algorithm 1 feeds the optimizer), local SGD and the gossip methods
+# (SGP, 1-overlap SGP, D-PSGD) after it.
 METHODS = (
     "allreduce",
     "adasum",
@@ -206,6 +207,9 @@ METHODS = (
     "dropping",
     "dropping-local",
     "local-sgd",
+    "sgp",
+    "osgp",
+    "dpsgd",
 )
 
 
@@ -277,6 +281,11 @@ def make_method(
             steady_tx=opt,
             average_every=local_every,
         )
+    if name in ("sgp", "osgp"):
+        tx = gradcomm.sgp("data", overlap=1 if name == "osgp" else 0)
+        return Method(name, optax.chain(opt, tx), per_device=True)
+    if name == "dpsgd":
+        return Method(name, optax.chain(opt, gradcomm.dpsgd("data")), per_device=True)
     raise SystemExit(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
 
 

@@ -56,6 +56,7 @@ def collectives(density: float) -> dict[str, Callable[[Any], Any]]:
         "adasum": lambda tree: gradcomm.adasum_reduce(tree, "data"),
         "terngrad": transformation(gradcomm.terngrad("data")),
         "lags": transformation(gradcomm.lags("data", density=density)),
+        "sgp": lambda tree: (tx := gradcomm.sgp("data")).update(tree, tx.init(tree), tree)[0],
         "topk-exact": selection("exact", density),
         "topk-sampled": selection("sampled", density),
     }
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--methods",
         default="adasum",
-        help="methods to compare with psum: adasum, terngrad, lags, or topk-exact and "
-        "topk-sampled (the selection alone)",
+        help="methods to compare with psum: adasum, terngrad, lags, sgp (one gossip step), "
+        "or topk-exact and topk-sampled (the selection alone)",
     )
     parser.add_argument(
         "--density", type=float, default=0.001, help="k/d for lags and the top-k selectors"

@@ -6,7 +6,7 @@ collectives over a named mesh axis. `gradcomm.parallel` builds the sharded train
 `gradcomm.wire` reads the bytes each device sends from the compiled program.
 """
 
-from gradcomm import parallel, sparse, wire
+from gradcomm import parallel, sparse, topology, wire
 from gradcomm.adasum import (
     AdasumState,
     adasum,
@@ -21,6 +21,7 @@ from gradcomm.dropping import (
     gradient_dropping,
     local_sgd,
 )
+from gradcomm.gossip import DpsgdState, SgpState, consensus_distance, dpsgd, sgp
 from gradcomm.lags import (
     LagsPlan,
     LagsState,
@@ -39,16 +40,20 @@ __version__ = "0.1.0"
 __all__ = [
     "AdasumState",
     "AllReduceState",
+    "DpsgdState",
     "GradientDroppingState",
     "LagsPlan",
     "LagsState",
     "LocalSgdState",
+    "SgpState",
     "SlgsState",
     "TernGradState",
     "adasum",
     "adasum_pair",
     "adasum_reduce",
     "allreduce",
+    "consensus_distance",
+    "dpsgd",
     "gradient_dropping",
     "lags",
     "lags_delta",
@@ -58,9 +63,11 @@ __all__ = [
     "local_sgd",
     "orthogonality",
     "parallel",
+    "sgp",
     "slgs",
     "sparse",
     "ternarize",
     "terngrad",
+    "topology",
     "wire",
 ]

@@ -71,6 +71,20 @@ def _is_manual(axis_name: AxisName) -> bool:
     return all(n in manual for n in axis_names(axis_name))
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which a traced value may differ between devices (under shard_map)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def vary(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Types a value as varying over the axes (a no-op where it already is, or under vmap)."""
+    if not _is_manual(axis_name):
+        return x
+    missing = tuple(n for n in axis_names(axis_name) if n not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def all_gather_invariant(x: jax.Array, axis_name: AxisName, *, tiled: bool = False) -> jax.Array:
     """`lax.all_gather` whose result is typed as identical on every device.
 

@@ -146,12 +146,6 @@ def host_copy(tree: Any, *, per_device: bool = False) -> Any:
     return jax.tree.map(fetch, tree)
 
 
-def _varying_axes(x: jax.Array) -> frozenset[str]:
-    """The mesh axes over which a traced value may differ between devices."""
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
-
-
 def _averaging_due(state: Any) -> jax.Array | None:
     """Whether any `ParamsAveraging` marker in a transformation's state asks for averaging."""
     markers = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _base.ParamsAveraging))
@@ -203,15 +197,9 @@ def _local_shapes(params: Any, params_per_device: bool) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[cut:], x.dtype), params)
 
 
-def _vary(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """Types a value as varying over all of `names` (a no-op where it already does)."""
-    missing = tuple(n for n in names if n not in _varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _mean(params: Any, names: tuple[str, ...]) -> Any:
     """The mean of per-device params, typed as per-device again (for `lax.cond`)."""
-    return jax.tree.map(lambda x: _vary(x, names), lax.pmean(params, names))
+    return jax.tree.map(lambda x: _base.vary(x, names), lax.pmean(params, names))
 
 
 def _layout(
@@ -237,12 +225,14 @@ def _layout(
         def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
             params = _local_params(params, params_per_device)
             leaves, treedef = jax.tree.flatten(tx.init(params))
-            leaves = [_vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
-            grads = jax.tree.map(lambda x: _vary(jnp.zeros_like(x), names), params)
+            leaves = [_base.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+            grads = jax.tree.map(lambda x: _base.vary(jnp.zeros_like(x), names), params)
             _, new_state = tx.update(
                 grads, jax.tree.unflatten(treedef, leaves), params, **{_base.DEFER_AVERAGING: True}
             )
-            found.extend(bool(_varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state))
+            found.extend(
+                bool(_base.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
+            )
             return jnp.zeros(())
 
         probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
@@ -325,7 +315,7 @@ class TrainStep:
             params = _local_params(params, self._params_per_device)
             # Differentiating replicated (invariant) params would make JAX sum the gradient
             # over the devices; the transformation must see each device's own gradient.
-            out, grads = self._grad_fn(jax.tree.map(lambda x: _vary(x, names), params), batch)
+            out, grads = self._grad_fn(jax.tree.map(lambda x: _base.vary(x, names), params), batch)
             loss, aux = out if self._has_aux else (out, {})
             updates, state = tx.update(
                 grads, _unstack(state, flags), params, **{_base.DEFER_AVERAGING: True}
@@ -338,7 +328,7 @@ class TrainStep:
                 params = jax.tree.map(lambda x: x[None], params)
             else:
                 for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-                    varying = _varying_axes(leaf) & set(names)
+                    varying = _base.varying_axes(leaf) & set(names)
                     if varying:
                         raise ValueError(
                             f"params are replicated, but after this transformation param "

@@ -26,7 +26,10 @@ METHODS = {
     "dropping": lambda: optax.chain(
         gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=4), optax.adam(1e-2)
     ),
+    # SGP with overlap: per-device params, push-sum weights and a message in flight.
+    "sgp": lambda: optax.chain(optax.sgd(0.05), gradcomm.sgp("data", overlap=1)),
 }
+PER_DEVICE = {"sgp"}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -45,9 +48,10 @@ def test_state_checkpoints_and_restores_bit_identically(tmp_path, method):
         for _ in range(6)
     ]
     tx = METHODS[method]()
-    step = parallel.train_step(loss, tx, mesh)
-    p = parallel.replicate(params, mesh)
-    state = parallel.init_state(tx, p, mesh)
+    per_device = method in PER_DEVICE
+    step = parallel.train_step(loss, tx, mesh, params_per_device=per_device)
+    p = (parallel.per_device if per_device else parallel.replicate)(params, mesh)
+    state = parallel.init_state(tx, p, mesh, params_per_device=per_device)
     for batch in batches[:3]:
         p, state, _ = step(p, state, batch)
 
@@ -68,6 +72,10 @@ def test_state_checkpoints_and_restores_bit_identically(tmp_path, method):
     if method == "adasum":  # each device ran its own Adam on its own gradients
         mu = np.asarray(state[0][0].mu["w1"])
         assert not np.array_equal(mu[0], mu[1])
+    if method == "sgp":  # the devices hold different params and a message in flight
+        w1 = np.asarray(p["w1"])
+        assert not np.array_equal(w1[0], w1[1])
+        assert np.abs(np.asarray(state[1].in_flight["w1"])).sum() > 0
     if method in ("lags", "dropping"):  # each device kept its own residual
         residual = np.asarray(state[1 if method == "lags" else 0].residual["w1"])
         assert not np.array_equal(residual[0], residual[1])

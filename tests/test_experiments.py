@@ -47,6 +47,9 @@ def test_train_writes_json_png_and_markdown(tmp_path):
         "dropping",
         "dropping-local",
         "local-sgd",
+        "sgp",
+        "osgp",
+        "dpsgd",
     ]
     for r in runs:
         assert 0.5 < r["test_accuracy"] <= 1 and r["bytes_per_step"] > 0

@@ -1,0 +1,315 @@
+"""Stochastic Gradient Push (Assran et al., ICML 2019) and D-PSGD: gossip instead of all-reduce.
+
+PushSum (section 2): each device holds a numerator x and a weight w; every step it keeps one
+share of both, sends an equal share to each of the step's out-peers, and adds what arrives.
+The mixing matrices are column stochastic, so sum_i x_i and sum_i w_i never change, and
+z_i = x_i / w_i tends to the average of the x_i. SGP (Algorithm 1) interleaves a local
+optimizer step with one PushSum step:
+
+    x = w z + u;   x' = sum_j P_ij x_j;   w' = sum_j P_ij w_j;   z' = x' / w'.
+
+In gradcomm the params the user holds are the de-biased z (so the optimizer's gradient is
+taken at z, line 3), the state holds w, and the update returned is z' - z. With
+`overlap=tau` what is sent at step k is mixed in at step k + tau (tau-OSGP); the mass in
+flight is missing from x and w alike, so z stays unbiased. `biased=True` drops w (the
+ablation of Table 4). D-PSGD is the special case of a symmetric, doubly stochastic graph,
+where w stays 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from gradcomm import _base
+from gradcomm import topology as topologies
+from gradcomm._flat import FlatLayout
+
+TopologySpec = str | topologies.Topology | Callable[[int], topologies.Topology]
+
+
+class SgpState(NamedTuple):
+    """State of `sgp`: step counter, push-sum weight, and tau messages in flight.
+
+    `in_flight` holds, per delay slot, the numerator (params-shaped) and weight received
+    but not yet mixed in; slot 0 is mixed in next.
+    """
+
+    count: jax.Array
+    weight: jax.Array
+    in_flight: Any
+    in_flight_weight: jax.Array
+
+
+class DpsgdState(NamedTuple):
+    """State of `dpsgd`: only a step counter (weights stay 1 on a doubly stochastic graph)."""
+
+    count: jax.Array
+
+
+def _mix(
+    x: list[jax.Array], w: jax.Array, graph: topologies.Topology, count: jax.Array,
+    axis_name: _base.AxisName,
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array]:  # fmt: skip
+    """One PushSum step of the graph's phase for `count`: (kept, received) shares of x and w."""
+
+    def phase(moves: tuple[topologies.Move, ...]) -> tuple[Any, ...]:
+        share = 1.0 / (len(moves) + 1)
+        kept = [v * share for v in x]
+        received = [jnp.zeros_like(v) for v in x]
+        received_w = jnp.zeros_like(w)
+        for move in moves:
+            perm = list(enumerate(move))
+            for j, v in enumerate(kept):
+                received[j] = received[j] + _base.ppermute(v, axis_name, perm)
+            received_w = received_w + _base.ppermute(w * share, axis_name, perm)
+        return kept, received, w * share, received_w
+
+    branches = [functools.partial(phase, moves) for moves in graph.phases]
+    if len(branches) == 1:
+        return branches[0]()
+    return lax.switch(count % len(branches), branches)
+
+
+def _pack(tree: Any) -> tuple[list[FlatLayout], list[list[int]], list[jax.Array]]:
+    """Leaves fused into one flat buffer per dtype, so each move is one collective per dtype."""
+    leaves = jax.tree.leaves(tree)
+    groups = _base.dtype_groups(leaves)
+    layouts = [FlatLayout.of([leaves[i].shape for i in ids], rows=1) for ids in groups]
+    buffers = [
+        layout.pack([leaves[i] for i in ids], leaves[ids[0]].dtype)
+        for layout, ids in zip(layouts, groups, strict=True)
+    ]
+    return layouts, groups, buffers
+
+
+def _unpack(
+    template: Any, layouts: list[FlatLayout], groups: list[list[int]], buffers: list[jax.Array]
+) -> Any:
+    leaves, treedef = jax.tree.flatten(template)
+    out = list(leaves)
+    for layout, ids, buffer in zip(layouts, groups, buffers, strict=True):
+        for i, leaf in zip(ids, layout.unpack(buffer), strict=True):
+            out[i] = leaf
+    return jax.tree.unflatten(treedef, out)
+
+
+def _check_overlap(overlap: Any) -> None:
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"overlap must be a non-negative int, got {overlap!r}")
+
+
+def sgp(
+    axis_name: _base.AxisName = "data",
+    *,
+    topology: TopologySpec = "exponential",
+    overlap: int = 0,
+    biased: bool = False,
+    allreduce_steps: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stochastic Gradient Push: each device mixes its parameters with a few peers per step.
+
+    Place it last, after the optimizer, with params kept per device:
+    `optax.chain(optax.sgd(0.1, momentum=0.9, nesterov=True), gradcomm.sgp("data"))` and
+    `gradcomm.parallel.train_step(..., params_per_device=True)`. The params are the
+    de-biased z; each step sends one share of `x = w z + update` (and of w) to each of the
+    step's out-peers, in one `ppermute` per peer of the whole model, and returns
+    `x' / w' - z`.
+
+    Args:
+      axis_name: the mesh axis (or tuple of axes) of the gossiping devices.
+      topology: a name from `gradcomm.topology.TOPOLOGIES` ("exponential", the 1-peer
+        time-varying directed exponential graph, by default), a `Topology`, or a factory
+        `n -> Topology`. The step's peers are chosen inside the jitted step from the count.
+      overlap: tau >= 0; messages sent at step k are mixed in at step k + tau (tau-OSGP).
+      biased: ignore the push-sum weight, mixing x as if w were 1 (Table 4's biased
+        1-OSGP); unbiased only when nothing is in flight on a doubly stochastic graph.
+      allreduce_steps: average exactly (an all-reduce) for the first K steps, then gossip
+        (the hybrids of Table 3).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is an `SgpState`.
+
+    Raises:
+      ValueError: for an unknown topology, a negative overlap or allreduce_steps at
+        construction; at trace time without params, or for a topology of the wrong size.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gradcomm
+      >>> tx = gradcomm.sgp("data")  # two devices: one exchange averages exactly
+      >>> params = jnp.array([[1.0, 0.0], [3.0, 2.0]])  # one row per device
+      >>> state = tx.init(params[0])
+      >>> step = lambda p: p + tx.update(jnp.zeros(2), state, p)[0]
+      >>> jax.vmap(step, axis_name="data")(params)
+      Array([[2., 1.],
+             [2., 1.]], dtype=float32)
+
+    References:
+      Assran et al., "Stochastic Gradient Push for Distributed Deep Learning", ICML 2019:
+      section 2 (PushSum), Algorithm 1, tau-OSGP (section 3, Appendix B), Tables 3-4.
+    """
+    _base.check_axis_name(axis_name)
+    topologies.check_topology(topology)
+    _check_overlap(overlap)
+    if (
+        isinstance(allreduce_steps, bool)
+        or not isinstance(allreduce_steps, int)
+        or allreduce_steps < 0
+    ):
+        raise ValueError(f"allreduce_steps must be a non-negative int, got {allreduce_steps!r}")
+
+    def init_fn(params: Any) -> SgpState:
+        slots = jax.tree.map(lambda p: jnp.zeros((overlap, *p.shape), p.dtype), params)
+        return SgpState(
+            count=_base.zero_count(),
+            weight=jnp.ones([], jnp.float32),
+            in_flight=slots,
+            in_flight_weight=jnp.zeros([overlap], jnp.float32),
+        )
+
+    def update_fn(
+        updates: Any, state: SgpState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, SgpState]:
+        del extra_args
+        if params is None:
+            raise ValueError("sgp needs params: call tx.update(updates, state, params)")
+        _base.check_float_leaves(updates, "sgp")
+        n = _base.axis_size(axis_name)
+        graph = topologies.resolve(topology, n)
+        w = jnp.ones([], jnp.float32) if biased else state.weight
+        x = jax.tree.map(
+            lambda z, u: (z.astype(jnp.float32) * w + u).astype(z.dtype), params, updates
+        )
+        layouts, groups, buffers = _pack(x)
+
+        def gossip() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
+            kept, received, kept_w, received_w = _mix(buffers, w, graph, state.count, axis_name)
+            if overlap:
+                arriving = _pack(jax.tree.map(lambda q: q[0], state.in_flight))[2]
+                mixed = [k + a for k, a in zip(kept, arriving, strict=True)]
+                mixed_w = kept_w + state.in_flight_weight[0]
+                queue = jax.tree.map(
+                    lambda q, r: jnp.concatenate([q[1:], r[None]]),
+                    state.in_flight,
+                    _unpack(x, layouts, groups, received),
+                )
+                queue_w = jnp.concatenate([state.in_flight_weight[1:], received_w[None]])
+                return mixed, mixed_w, queue, queue_w
+            mixed = [k + r for k, r in zip(kept, received, strict=True)]
+            return mixed, kept_w + received_w, state.in_flight, state.in_flight_weight
+
+        def exact() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
+            mixed = [_base.vary(b, axis_name) for b in lax.pmean(buffers, axis_name)]
+            return (
+                mixed,
+                _base.vary(lax.pmean(w, axis_name), axis_name),
+                state.in_flight,
+                state.in_flight_weight,
+            )
+
+        if allreduce_steps:
+            mixed, new_w, queue, queue_w = lax.cond(state.count < allreduce_steps, exact, gossip)
+        else:
+            mixed, new_w, queue, queue_w = gossip()
+        x_new = _unpack(x, layouts, groups, mixed)
+        divisor = jnp.ones([], jnp.float32) if biased else new_w
+        z_new = jax.tree.map(lambda v: (v.astype(jnp.float32) / divisor).astype(v.dtype), x_new)
+        delta = jax.tree.map(jnp.subtract, z_new, params)
+        new_state = SgpState(
+            count=optax.safe_increment(state.count),
+            weight=state.weight if biased else new_w,
+            in_flight=queue,
+            in_flight_weight=queue_w,
+        )
+        return delta, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dpsgd(
+    axis_name: _base.AxisName = "data", *, topology: TopologySpec = "exponential-bidirectional"
+) -> optax.GradientTransformationExtraArgs:
+    """D-PSGD (Lian et al., 2017): gossip on a symmetric, doubly stochastic graph, weights 1.
+
+    The baseline SGP is compared against: each device averages its parameters (after its
+    optimizer step) with its neighbours' under symmetric mixing weights, which is SGP on an
+    undirected graph, where the push-sum weights stay exactly 1 and need not be kept.
+
+    Args:
+      axis_name: the mesh axis (or tuple of axes) of the gossiping devices.
+      topology: a symmetric topology; the default sends to i + 2^r and i - 2^r at step k
+        (r = k mod m), "hypercube" exchanges pairwise with one peer (power-of-two n),
+        "ring-bidirectional" is the classic ring.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `DpsgdState`.
+
+    Raises:
+      ValueError: for an unknown topology; at trace time for a directed one or missing
+        params.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gradcomm
+      >>> tx = gradcomm.dpsgd("data", topology="hypercube")
+      >>> params = jnp.array([[1.0], [3.0]])  # one row per device
+      >>> step = lambda p: p + tx.update(jnp.zeros(1), tx.init(p), p)[0]
+      >>> jax.vmap(step, axis_name="data")(params)[:, 0]
+      Array([2., 2.], dtype=float32)
+
+    References:
+      Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?",
+      NeurIPS 2017, as the baseline of Assran et al., ICML 2019 (sections 5-6).
+    """
+    _base.check_axis_name(axis_name)
+    topologies.check_topology(topology)
+
+    def init_fn(params: Any) -> DpsgdState:
+        del params
+        return DpsgdState(count=_base.zero_count())
+
+    def update_fn(
+        updates: Any, state: DpsgdState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, DpsgdState]:
+        del extra_args
+        if params is None:
+            raise ValueError("dpsgd needs params: call tx.update(updates, state, params)")
+        _base.check_float_leaves(updates, "dpsgd")
+        graph = topologies.resolve(topology, _base.axis_size(axis_name))
+        if not (graph.is_symmetric() and graph.is_doubly_stochastic()):
+            raise ValueError(f"dpsgd needs a symmetric topology, got {graph.name}")
+        x = jax.tree.map(jnp.add, params, updates)
+        layouts, groups, buffers = _pack(x)
+        one = jnp.ones([], jnp.float32)
+        kept, received, _, _ = _mix(buffers, one, graph, state.count, axis_name)
+        mixed = _unpack(x, layouts, groups, [k + r for k, r in zip(kept, received, strict=True)])
+        delta = jax.tree.map(jnp.subtract, mixed, params)
+        return delta, DpsgdState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def consensus_distance(params: Any, axis_name: _base.AxisName = "data") -> jax.Array:
+    """This device's distance to the average model, |z_i - mean_j z_j|_2 (SGP Fig. 2).
+
+    Call inside `shard_map` (or a named `vmap`) with per-device params; it costs one
+    all-reduce of the model.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gradcomm
+      >>> params = jnp.array([[0.0, 0.0], [3.0, 4.0]])
+      >>> jax.vmap(lambda p: gradcomm.consensus_distance(p, "d"), axis_name="d")(params)
+      Array([2.5, 2.5], dtype=float32)
+    """
+    mean = lax.pmean(params, axis_name)
+    squares = jax.tree.map(
+        lambda p, m: jnp.sum(jnp.square(p.astype(jnp.float32) - m.astype(jnp.float32))),
+        params,
+        mean,
+    )
+    return jnp.sqrt(sum(jax.tree.leaves(squares)))

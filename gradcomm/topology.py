@@ -1,0 +1,196 @@
+"""Peer schedules for gossip: which device sends to which, at every step, as plain data.
+
+A `Topology` is a cycle of phases; at step k the phase `k % len(phases)` runs. A phase is a
+tuple of moves, each a permutation `dest` (device i sends a share to `dest[i]`). Every
+device keeps one share and sends one to each move's destination, all shares equal, so each
+step's mixing matrix is column stochastic (each device's mass is conserved) and has no
+self-loops. Print one to read its schedule; `mixing_matrix(k)` gives the matrix for tests
+and plots.
+
+Example:
+  >>> from gradcomm import topology
+  >>> print(topology.exponential(8))
+  exponential(8, peers=1): 3 phases
+    step k = 0 mod 3: i -> i + 1
+    step k = 1 mod 3: i -> i + 2
+    step k = 2 mod 3: i -> i + 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+Move = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A time-varying gossip graph on `num_devices` devices.
+
+    Attributes:
+      name: a description, e.g. "exponential(8, peers=1)".
+      num_devices: n.
+      phases: per phase, the moves (permutations `dest`, device i -> dest[i]).
+      labels: per phase, a human-readable rule ("i -> i + 2").
+    """
+
+    name: str
+    num_devices: int
+    phases: tuple[tuple[Move, ...], ...]
+    labels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        n = self.num_devices
+        for phase in self.phases:
+            for move in phase:
+                if sorted(move) != list(range(n)):
+                    raise ValueError(f"{self.name}: {move} is not a permutation of {n} devices")
+                if any(dest == i for i, dest in enumerate(move)):
+                    raise ValueError(f"{self.name}: {move} has a self-loop")
+
+    @property
+    def num_phases(self) -> int:
+        return len(self.phases)
+
+    def peers(self, step: int) -> int:
+        """How many devices each device sends to at `step`."""
+        return len(self.phases[step % self.num_phases])
+
+    def mixing_matrix(self, step: int) -> np.ndarray:
+        """P(step), shape (n, n): column i holds the shares device i sends (P[j, i] to j)."""
+        n = self.num_devices
+        phase = self.phases[step % self.num_phases]
+        share = 1.0 / (len(phase) + 1)
+        matrix = np.eye(n) * share
+        for move in phase:
+            for i, dest in enumerate(move):
+                matrix[dest, i] += share
+        return matrix
+
+    def is_doubly_stochastic(self) -> bool:
+        """Whether every phase's matrix also has rows summing to 1 (so weights stay 1)."""
+        return all(np.allclose(self.mixing_matrix(k).sum(1), 1) for k in range(self.num_phases))
+
+    def is_symmetric(self) -> bool:
+        """Whether every phase's matrix is symmetric (undirected, as D-PSGD needs)."""
+        return all(
+            np.allclose(self.mixing_matrix(k), self.mixing_matrix(k).T)
+            for k in range(self.num_phases)
+        )
+
+    def __str__(self) -> str:
+        lines = [f"{self.name}: {self.num_phases} phase{'s' if self.num_phases > 1 else ''}"]
+        for k, label in enumerate(self.labels):
+            lines.append(f"  step k = {k} mod {self.num_phases}: {label}")
+        return "\n".join(lines)
+
+
+def _check_n(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of devices must be a positive int, got {n!r}")
+
+
+def _shift_phase(n: int, shifts: Sequence[int]) -> tuple[tuple[Move, ...], str]:
+    """Circulant moves i -> i + s (mod n) for the distinct nonzero shifts."""
+    distinct = list(dict.fromkeys(s % n for s in shifts if s % n))
+    moves = tuple(tuple((i + s) % n for i in range(n)) for s in distinct)
+    label = ", ".join(f"i -> i + {s}" for s in distinct) or "no messages"
+    return moves, label
+
+
+def _from_shifts(name: str, n: int, phases: Sequence[Sequence[int]]) -> Topology:
+    built = [_shift_phase(n, shifts) for shifts in phases]
+    return Topology(name, n, tuple(m for m, _ in built), tuple(label for _, label in built))
+
+
+def exponential(n: int, *, peers: int = 1, both_directions: bool = False) -> Topology:
+    """The time-varying directed exponential graph (SGP's topology; NPDDE in its code).
+
+    With p peers, at step k device i sends to i + j (p + 1)^r for j = 1..p, with
+    r = k mod m and m the smallest integer with (p + 1)^m >= n; for one peer, to
+    i + 2^(k mod m) with m = bit_length(n - 1). Shifts that wrap to 0 are skipped, so
+    there are no self-loops. `both_directions` adds i - s for every i + s: the graph is
+    then undirected and its matrices doubly stochastic.
+
+    Example:
+      >>> from gradcomm import topology
+      >>> topology.exponential(6, peers=2).phases[1]
+      ((3, 4, 5, 0, 1, 2),)
+    """
+    _check_n(n)
+    if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+        raise ValueError(f"peers must be a positive int, got {peers!r}")
+    base = peers + 1
+    rounds = 1 if n == 1 else math.ceil(math.log(n) / math.log(base) - 1e-12)
+    phases = []
+    for r in range(max(rounds, 1)):
+        shifts = [j * base**r for j in range(1, peers + 1)]
+        phases.append(shifts + [-s for s in shifts] if both_directions else shifts)
+    kind = ", both directions" if both_directions else ""
+    return _from_shifts(f"exponential({n}, peers={peers}{kind})", n, phases)
+
+
+def ring(n: int, *, both_directions: bool = False) -> Topology:
+    """The ring: i -> i + 1 (and i -> i - 1 with `both_directions`), every step."""
+    _check_n(n)
+    shifts = [1, -1] if both_directions else [1]
+    kind = ", both directions" if both_directions else ""
+    return _from_shifts(f"ring({n}{kind})", n, [shifts])
+
+
+def complete(n: int) -> Topology:
+    """Every device sends to every other, every step: exact averaging (all-reduce)."""
+    _check_n(n)
+    return _from_shifts(f"complete({n})", n, [list(range(1, n))])
+
+
+def hypercube(n: int) -> Topology:
+    """Pairwise exchange i <-> i XOR 2^(k mod log2 n): symmetric, one peer; n a power of two."""
+    _check_n(n)
+    if n & (n - 1):
+        raise ValueError(f"hypercube needs a power-of-two number of devices, got {n}")
+    phases = [(tuple(i ^ (1 << r) for i in range(n)),) for r in range(max(n.bit_length() - 1, 1))]
+    if n == 1:
+        phases = [()]
+    labels = tuple(f"i <-> i xor {1 << r}" if n > 1 else "no messages" for r in range(len(phases)))
+    return Topology(f"hypercube({n})", n, tuple(phases), labels)
+
+
+TOPOLOGIES: dict[str, Callable[[int], Topology]] = {
+    "exponential": exponential,
+    "exponential-2peer": lambda n: exponential(n, peers=2),
+    "exponential-bidirectional": lambda n: exponential(n, both_directions=True),
+    "hypercube": hypercube,
+    "ring": ring,
+    "ring-bidirectional": lambda n: ring(n, both_directions=True),
+    "complete": complete,
+}
+
+
+def resolve(topology: str | Topology | Callable[[int], Topology], n: int) -> Topology:
+    """The topology for n devices, from a name in `TOPOLOGIES`, a factory or a `Topology`."""
+    if isinstance(topology, Topology):
+        built = topology
+    elif isinstance(topology, str):
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {topology!r}: choose from {sorted(TOPOLOGIES)}")
+        built = TOPOLOGIES[topology](n)
+    elif callable(topology):
+        built = topology(n)
+    else:
+        raise ValueError(f"topology must be a name, a Topology or a factory, got {topology!r}")
+    if not isinstance(built, Topology) or built.num_devices != n:
+        raise ValueError(f"topology {getattr(built, 'name', built)!r} is not for {n} devices")
+    return built
+
+
+def check_topology(topology: object) -> None:
+    """Construction-time check of a topology argument (the size is known only later)."""
+    if isinstance(topology, str) and topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}: choose from {sorted(TOPOLOGIES)}")
+    if not isinstance(topology, str | Topology) and not callable(topology):
+        raise ValueError(f"topology must be a name, a Topology or a factory, got {topology!r}")

@@ -1,0 +1,219 @@
+"""SGP and D-PSGD: PushSum invariants, exact averaging, overlap, baselines."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_of, per_device
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+from gradcomm import parallel, topology, wire
+
+
+@functools.cache
+def gossip_fn(steps, **kwargs):
+    """`steps` SGP steps with zero updates from this device's params: z, w and x in flight."""
+
+    def f(z):
+        tx = gradcomm.sgp("data", **kwargs)
+        state = jax.tree.map(lambda v: lax.pcast(v, "data", to="varying"), tx.init(z))
+
+        def body(carry, _):
+            z, state = carry
+            delta, state = tx.update(jnp.zeros_like(z), state, z)
+            z = z + delta
+            flight = (
+                jnp.sum(state.in_flight, axis=0) if kwargs.get("overlap") else jnp.zeros_like(z)
+            )
+            return (z, state), (z, state.weight, flight, jnp.sum(state.in_flight_weight))
+
+        _, history = lax.scan(body, (z, state), None, length=steps)
+        return history
+
+    return f
+
+
+def initial(n, size=5, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, size)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["exponential", "exponential-2peer", "ring"])
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+def test_push_sum_conserves_mass(name, overlap):
+    """Zero updates: sum_i w_i z_i and sum_i w_i never change (counting what is in flight)."""
+    n = 6
+    z0 = initial(n)
+    z, w, flight, flight_w = per_device(gossip_fn(12, topology=name, overlap=overlap), n, z0)
+    # per_device returns (n, steps, ...): device-major.
+    mass = np.sum(w[..., None] * z + flight, axis=0)  # (steps, size)
+    weight = np.sum(w + flight_w, axis=0)
+    np.testing.assert_allclose(mass, np.broadcast_to(z0.sum(0), mass.shape), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(weight, n, rtol=1e-6)
+    if overlap == 0:  # nothing in flight: the held mass itself is conserved
+        np.testing.assert_array_equal(flight, 0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_one_peer_exponential_averages_exactly_in_log2_n_steps(n):
+    z0 = initial(n, seed=n)
+    steps = n.bit_length() - 1
+    z, w, _, _ = per_device(gossip_fn(steps), n, z0)
+    for i in range(n):
+        np.testing.assert_allclose(z[i, -1], z0.mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(w, 1)  # circulant and regular: doubly stochastic
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+def test_one_peer_exponential_converges_geometrically(n):
+    z0 = initial(n, seed=n)
+    m = (n - 1).bit_length()
+    cycles = 8
+    z, _, _, _ = per_device(gossip_fn(m * cycles), n, z0)
+    deviation = [np.abs(z[:, m * (c + 1) - 1] - z0.mean(0)).max() for c in range(cycles)]
+    start = np.abs(z0 - z0.mean(0)).max()
+    ratios = np.array(deviation[1:]) / np.array(deviation[:-1])
+    assert np.all(ratios < 0.9), ratios  # at least a constant factor per cycle
+    assert deviation[-1] < 1e-2 * start
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_overlap_converges_to_the_average_and_the_biased_variant_does_not(overlap):
+    n = 4
+    z0 = initial(n, seed=1) + 3  # a nonzero mean, so losing mass shows
+    z, w, _, _ = per_device(gossip_fn(200, overlap=overlap), n, z0)
+    for i in range(n):
+        np.testing.assert_allclose(z[i, -1], z0.mean(0), rtol=1e-5)
+    assert not np.allclose(w[:, -1], 1)  # the weights moved: mass is in flight
+    zb, _, _, _ = per_device(gossip_fn(200, overlap=overlap, biased=True), n, z0)
+    assert np.abs(zb[:, -1] - z0.mean(0)).max() > 0.1  # ignoring w loses the mass in flight
+    np.testing.assert_allclose(zb[:, -1], np.broadcast_to(zb[0, -1], zb[:, -1].shape), rtol=1e-5)
+
+
+def linear_loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def problem(seed, size=48):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((size, 4)).astype(np.float32)
+    return {"w": np.zeros(4, np.float32)}, {
+        "x": x,
+        "y": x @ rng.standard_normal(4).astype(np.float32),
+    }
+
+
+def run(tx, n, steps, per_device_params=True, seed=0):
+    mesh = mesh_of(n)
+    params, batch = problem(seed)
+    place = parallel.per_device if per_device_params else parallel.replicate
+    p = place(params, mesh)
+    state = parallel.init_state(tx, p, mesh, params_per_device=per_device_params)
+    step = parallel.train_step(linear_loss, tx, mesh, params_per_device=per_device_params)
+    history = []
+    for _ in range(steps):
+        p, state, _ = step(p, state, batch)
+        history.append(np.asarray(p["w"]))
+    return np.stack(history), state
+
+
+def test_complete_graph_reproduces_allreduce_sgd_over_20_steps():
+    n = 4
+    gossip, _ = run(optax.chain(optax.sgd(0.05), gradcomm.sgp("data", topology="complete")), n, 20)
+    dense, _ = run(optax.chain(gradcomm.allreduce("data"), optax.sgd(0.05)), n, 20, False)
+    for i in range(n):
+        np.testing.assert_allclose(gossip[:, i], dense, rtol=1e-5, atol=1e-6)
+
+
+def test_two_devices_match_large_batch_sgd():
+    params, batch = problem(0)
+    gossip, _ = run(optax.chain(optax.sgd(0.05), gradcomm.sgp("data")), 2, 5)
+    w = jnp.asarray(params["w"])
+    for t in range(5):
+        w = w - 0.05 * jax.grad(lambda v: linear_loss({"w": v}, batch))(w)
+        np.testing.assert_allclose(gossip[t, 0], w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gossip[t, 1], w, rtol=1e-5, atol=1e-6)
+
+
+def test_dpsgd_keeps_weights_at_one_and_conserves_the_average():
+    n = 6
+    tx = optax.chain(optax.sgd(0.05), gradcomm.dpsgd("data"))
+    _, state = run(tx, n, 6)
+    assert set(state[1]._fields) == {"count"}  # no weight to keep: it is 1 by design
+    graph = topology.resolve("exponential-bidirectional", n)
+    assert graph.is_doubly_stochastic() and graph.is_symmetric()
+    # the same mixing in SGP keeps w = 1 (to rounding)
+    _, w, _, _ = per_device(gossip_fn(6, topology="exponential-bidirectional"), n, initial(n))
+    np.testing.assert_allclose(w, 1, rtol=1e-6)
+    with pytest.raises(ValueError, match="symmetric"):
+        bad = gradcomm.dpsgd("data", topology="exponential")
+        jax.vmap(lambda p: bad.update(p, bad.init(p), p), axis_name="data")(jnp.ones((4, 2)))
+
+
+def test_allreduce_steps_average_exactly_first():
+    n = 5
+    z0 = initial(n, seed=3)
+    z, _, _, _ = per_device(gossip_fn(3, allreduce_steps=1), n, z0)
+    for i in range(n):
+        np.testing.assert_allclose(z[i, 0], z0.mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_state_errors_and_arguments():
+    for kwargs, match in [
+        ({"topology": "star"}, "unknown topology"),
+        ({"overlap": -1}, "overlap"),
+        ({"allreduce_steps": -2}, "allreduce_steps"),
+        ({"topology": 3}, "topology"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            gradcomm.sgp("data", **kwargs)
+    tx = gradcomm.sgp("data", overlap=2)
+    state = tx.init({"w": jnp.ones(3)})
+    assert state.in_flight["w"].shape == (2, 3) and state.in_flight_weight.shape == (2,)
+    with pytest.raises(ValueError, match="needs params"):
+        jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="needs params"):
+        d = gradcomm.dpsgd("data")
+        jax.vmap(lambda g: d.update(g, d.init(g)), axis_name="data")(jnp.ones((2, 3)))
+
+
+def consensus_fn(z):
+    return gradcomm.consensus_distance({"a": z, "b": 2 * z}, "data")
+
+
+def test_consensus_distance():
+    z = initial(4)
+    got = per_device(consensus_fn, 4, z)
+    expected = np.sqrt(5 * np.sum((z - z.mean(0)) ** 2, axis=1))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_wire_one_model_sized_permute_per_peer(n):
+    """Bytes per device do not depend on N; at N = 8 about half a dense psum's."""
+    shapes = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
+    mesh = mesh_of(n)
+    sharding = NamedSharding(mesh, P("data"))
+    tree = [jax.ShapeDtypeStruct((n, *s), jnp.float32, sharding=sharding) for s in shapes]
+    size = sum(int(np.prod(s)) for s in shapes) * 4
+    tx = gradcomm.sgp("data")
+
+    def mapped(fn, out_specs):
+        body = lambda t: fn([x[0] for x in t])  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=out_specs))
+
+    psum = wire.measure(mapped(lambda t: jax.lax.psum(t, "data"), P()), tree).total
+    report = wire.measure(
+        mapped(lambda t: [x[None] for x in tx.update(t, tx.init(t), t)[0]], P("data")), tree
+    )
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    big = [c for c in permutes if c.payload > 1000]
+    assert len(big) == 1  # one peer: one fused model-sized message
+    assert size <= report.total <= size * 1.01 + 64  # plus padding and the weight
+    if n == 8:
+        assert 0.5 < report.total / psum < 0.6
