@@ -39,3 +39,50 @@ def per_device(fn, n: int, *trees, axis: str = "data"):
     sharding = NamedSharding(mesh_of(n, axis), P(axis))
     placed = jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), trees)
     return jax.tree.map(np.asarray, _compiled(fn, n, axis)(*placed))
+
+
+# A 1.2M-parameter pytree of mixed leaves (a scalar, odd sizes, a conv kernel) for wire tests.
+MODEL_SHAPES = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
+
+
+def wire_against_psum(update, n, shapes=MODEL_SHAPES):
+    """Bytes per device of a float32 psum and of `update(list_of_leaves)`, both compiled.
+
+    Returns (psum_bytes, report) with `report` the `gradcomm.wire.WireReport` of `update`,
+    whose outputs leave the map per device (so any method's output type is accepted).
+    """
+    from gradcomm import wire
+
+    mesh = mesh_of(n)
+    sharding = NamedSharding(mesh, P("data"))
+    tree = [jax.ShapeDtypeStruct((n, *s), np.float32, sharding=sharding) for s in shapes]
+
+    def compiled(fn):
+        body = lambda t: [x[None] for x in fn([x[0] for x in t])]  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+    psum = wire.measure(compiled(lambda t: jax.lax.psum(t, "data")), tree).total
+    return psum, wire.measure(compiled(update), tree)
+
+
+def model_bytes(shapes=MODEL_SHAPES):
+    return sum(int(np.prod(s)) for s in shapes) * 4
+
+
+def run_steps(tx, steps):
+    """A per-device function running `steps` updates of `tx` on updates shaped (steps, ...).
+
+    Returns the stacked outputs and the stacked `state.residual` of every step.
+    """
+
+    def f(updates):
+        state = tx.init(jax.tree.map(lambda u: u[0], updates))
+        outs, residuals = [], []
+        for t in range(steps):
+            out, state = tx.update(jax.tree.map(lambda u, t=t: u[t], updates), state)
+            outs.append(out)
+            residuals.append(state.residual)
+        stack = lambda xs: jax.tree.map(lambda *v: jax.numpy.stack(v), *xs)  # noqa: E731
+        return stack(outs), stack(residuals)
+
+    return f

@@ -8,12 +8,10 @@ import numpy as np
 import optax
 import pytest
 import reference
-from helpers import mesh_of, per_device
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import mesh_of, per_device, run_steps, wire_against_psum
 
 import gradcomm
-from gradcomm import parallel, wire
+from gradcomm import parallel
 from gradcomm.dropping import drop_rate
 
 SHAPES = {"w": (30, 7), "b": (7,), "scalar": ()}
@@ -21,20 +19,10 @@ SHAPES = {"w": (30, 7), "b": (7,), "scalar": ()}
 
 @functools.cache
 def steps_fn(local, drop_ratio=0.9, steps=2, warmup_steps=0):
-    def f(grads):
-        tx = gradcomm.gradient_dropping(
-            "data", drop_ratio=drop_ratio, local=local, warmup_steps=warmup_steps
-        )
-        state = tx.init(jax.tree.map(lambda g: g[0], grads))
-        outs, residuals = [], []
-        for t in range(steps):
-            out, state = tx.update(jax.tree.map(lambda g, t=t: g[t], grads), state)
-            outs.append(out)
-            residuals.append(state.residual)
-        stack = lambda xs: jax.tree.map(lambda *v: jnp.stack(v), *xs)  # noqa: E731
-        return stack(outs), stack(residuals)
-
-    return f
+    tx = gradcomm.gradient_dropping(
+        "data", drop_ratio=drop_ratio, local=local, warmup_steps=warmup_steps
+    )
+    return run_steps(tx, steps)
 
 
 def random_grads(n, steps, seed):
@@ -171,17 +159,6 @@ def test_arguments_and_params_are_checked():
 
 def test_wire_bytes_at_drop_ratio_099():
     """N = 8, 99% dropped, 1.2M parameters: at least 10x fewer bytes than a dense psum."""
-    n = 8
-    shapes = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
-    mesh = mesh_of(n)
-    sharding = NamedSharding(mesh, P("data"))
-    tree = [jax.ShapeDtypeStruct((n, *s), jnp.float32, sharding=sharding) for s in shapes]
     tx = gradcomm.gradient_dropping("data", drop_ratio=0.99, local="compensated", warmup_steps=0)
-
-    def mapped(fn, out_specs):
-        body = lambda t: fn([x[0] for x in t])  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=out_specs))
-
-    psum = wire.measure(mapped(lambda t: jax.lax.psum(t, "data"), P()), tree).total
-    step = mapped(lambda t: [x[None] for x in tx.update(t, tx.init(t))[0]], P("data"))
-    assert psum / wire.measure(step, tree).total >= 10
+    psum, report = wire_against_psum(lambda t: tx.update(t, tx.init(t))[0], 8)
+    assert psum / report.total >= 10

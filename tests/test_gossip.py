@@ -7,13 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of, per_device
+from helpers import mesh_of, model_bytes, per_device, wire_against_psum
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import parallel, topology, wire
+from gradcomm import parallel, topology
 
 
 @functools.cache
@@ -196,24 +194,10 @@ def test_consensus_distance():
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_wire_one_model_sized_permute_per_peer(n):
     """Bytes per device do not depend on N; at N = 8 about half a dense psum's."""
-    shapes = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
-    mesh = mesh_of(n)
-    sharding = NamedSharding(mesh, P("data"))
-    tree = [jax.ShapeDtypeStruct((n, *s), jnp.float32, sharding=sharding) for s in shapes]
-    size = sum(int(np.prod(s)) for s in shapes) * 4
     tx = gradcomm.sgp("data")
-
-    def mapped(fn, out_specs):
-        body = lambda t: fn([x[0] for x in t])  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=out_specs))
-
-    psum = wire.measure(mapped(lambda t: jax.lax.psum(t, "data"), P()), tree).total
-    report = wire.measure(
-        mapped(lambda t: [x[None] for x in tx.update(t, tx.init(t), t)[0]], P("data")), tree
-    )
+    psum, report = wire_against_psum(lambda t: tx.update(t, tx.init(t), t)[0], n)
     permutes = [c for c in report.collectives if c.kind == "collective-permute"]
-    big = [c for c in permutes if c.payload > 1000]
-    assert len(big) == 1  # one peer: one fused model-sized message
-    assert size <= report.total <= size * 1.01 + 64  # plus padding and the weight
+    assert len([c for c in permutes if c.payload > 1000]) == 1  # one fused message per peer
+    assert model_bytes() <= report.total <= model_bytes() * 1.01 + 64  # padding and the weight
     if n == 8:
         assert 0.5 < report.total / psum < 0.6

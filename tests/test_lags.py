@@ -7,33 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import mesh_of, per_device
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import per_device, run_steps, wire_against_psum
 
 import gradcomm
-from gradcomm import wire
 
 SHAPES = {"w": (20, 9), "b": (9,), "scalar": (), "one": (1,)}
 
 
 @functools.cache
-def steps_fn(density, selector="exact", steps=3, method="lags"):
-    """`steps` updates in a row on one device's updates (steps, ...): outputs and residuals."""
+def steps_fn(density, selector="sampled", steps=3, method="lags"):
     factory = gradcomm.lags if method == "lags" else gradcomm.slgs
-
-    def f(updates):
-        tx = factory("data", density=density, selector=selector)
-        state = tx.init(jax.tree.map(lambda u: u[0], updates))
-        outs, residuals = [], []
-        for t in range(steps):
-            out, state = tx.update(jax.tree.map(lambda u, t=t: u[t], updates), state)
-            outs.append(out)
-            residuals.append(state.residual)
-        stack = lambda xs: jax.tree.map(lambda *v: jnp.stack(v), *xs)  # noqa: E731
-        return stack(outs), stack(residuals)
-
-    return f
+    return run_steps(factory("data", density=density, selector=selector), steps)
 
 
 def random_updates(n, steps, seed):
@@ -218,17 +202,6 @@ def test_profile_orders_leaves_from_the_output():
 
 def test_wire_bytes_at_density_one_in_a_thousand():
     """N = 8, density 0.001, 1.2M parameters: at least 100x fewer bytes than a dense psum."""
-    n = 8
-    shapes = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
-    mesh = mesh_of(n)
-    sharding = NamedSharding(mesh, P("data"))
-    tree = [jax.ShapeDtypeStruct((n, *s), jnp.float32, sharding=sharding) for s in shapes]
     tx = gradcomm.lags("data", density=0.001)
-
-    def mapped(fn):
-        body = lambda t: fn([x[0] for x in t])  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
-
-    psum = wire.measure(mapped(lambda t: jax.lax.psum(t, "data")), tree).total
-    lags = wire.measure(mapped(lambda t: tx.update(t, tx.init(t))[0]), tree).total
-    assert psum / lags >= 100
+    psum, report = wire_against_psum(lambda t: tx.update(t, tx.init(t))[0], 8)
+    assert psum / report.total >= 100
