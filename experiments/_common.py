@@ -43,7 +43,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
     group.add_argument("--num-processes", type=int, default=1, help="processes in the run")
     group.add_argument("--process-id", type=int, default=0, help="this process's index")
-    parser.add_argument("--data-dir", default=None, help="directory with real data, if any")
+    parser.add_argument(
+        "--dataset", default="digits", help="digits (bundled), mnist or cifar10 (from --data-dir)"
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="directory with MNIST idx files or CIFAR-10 batches"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
         "--out",
@@ -117,6 +122,83 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     return Dataset("digits", x_train, y_train, x_test, y_test)
 
 
+def _read_idx(path: pathlib.Path) -> np.ndarray:
+    """An MNIST idx file (optionally gzipped): big-endian magic, dims, then uint8 data."""
+    import gzip
+
+    raw = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def _find(directory: pathlib.Path, names: Sequence[str]) -> pathlib.Path:
+    for name in names:
+        for candidate in (directory / name, directory / (name + ".gz")):
+            if candidate.exists():
+                return candidate
+    raise SystemExit(f"none of {list(names)} (or .gz) found in {directory}")
+
+
+def load_mnist(data_dir: str | os.PathLike) -> Dataset:
+    """MNIST from the four standard idx files in `data_dir` (or `data_dir/mnist`)."""
+    root = pathlib.Path(data_dir)
+    root = root / "mnist" if (root / "mnist").is_dir() else root
+    parts = {
+        "x_train": ["train-images-idx3-ubyte", "train-images.idx3-ubyte"],
+        "y_train": ["train-labels-idx1-ubyte", "train-labels.idx1-ubyte"],
+        "x_test": ["t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"],
+        "y_test": ["t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"],
+    }
+    arrays = {key: _read_idx(_find(root, names)) for key, names in parts.items()}
+    images = {k: (arrays[k] / 255.0).astype(np.float32)[..., None] for k in ("x_train", "x_test")}
+    labels = {k: arrays[k].astype(np.int32) for k in ("y_train", "y_test")}
+    return Dataset(
+        "mnist", images["x_train"], labels["y_train"], images["x_test"], labels["y_test"]
+    )
+
+
+def load_cifar10(data_dir: str | os.PathLike) -> Dataset:
+    """CIFAR-10 from the standard python batches (`cifar-10-batches-py`) in `data_dir`."""
+    import pickle
+
+    root = pathlib.Path(data_dir)
+    root = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+
+    def read(name: str) -> tuple[np.ndarray, np.ndarray]:
+        path = root / name
+        if not path.exists():
+            raise SystemExit(f"{path} not found: expected the CIFAR-10 python batches")
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        x = batch[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        return (x / 255.0).astype(np.float32), np.asarray(batch[b"labels"], np.int32)
+
+    train = [read(f"data_batch_{i}") for i in range(1, 6)]
+    x_test, y_test = read("test_batch")
+    return Dataset(
+        "cifar10",
+        np.concatenate([x for x, _ in train]),
+        np.concatenate([y for _, y in train]),
+        x_test,
+        y_test,
+    )
+
+
+DATASETS = ("digits", "mnist", "cifar10")
+
+
+def load_dataset(name: str, data_dir: str | None, seed: int = 0) -> Dataset:
+    """digits (bundled with scikit-learn), or MNIST / CIFAR-10 from --data-dir."""
+    if name == "digits":
+        return load_digits(seed)
+    if name not in DATASETS:
+        raise SystemExit(f"unknown dataset {name!r}: choose from {', '.join(DATASETS)}")
+    if data_dir is None:
+        raise SystemExit(f"--dataset {name} needs --data-dir with its files")
+    return load_mnist(data_dir) if name == "mnist" else load_cifar10(data_dir)
+
+
 def batches(data: Dataset, global_batch: int, seed: int, epoch: int) -> list[dict[str, Any]]:
     """One epoch of shuffled full batches (the remainder is dropped), the same in every process."""
     order = np.random.default_rng([seed, epoch]).permutation(len(data.x_train))
@@ -156,6 +238,37 @@ def classification_loss(model: Any) -> Callable[[Any, dict[str, Any]], tuple[jax
         return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
 
     return loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What the training loop needs to know about a problem.
+
+    Attributes:
+      name: for outputs.
+      init: `init(key) -> params`.
+      loss_fn: `loss_fn(params, batch) -> (loss, metrics)`, on one device's batch.
+      batches: `batches(global_batch, seed, epoch) -> list of global batches`, the same in
+        every process.
+      evaluate: `evaluate(host_params) -> test accuracy`.
+    """
+
+    name: str
+    init: Callable[[jax.Array], Any]
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, dict]]
+    batches: Callable[[int, int, int], list[Any]]
+    evaluate: Callable[[Any], float]
+
+
+def classification_task(model: Any, data: Dataset) -> Task:
+    """Image classification with `model` on `data`, tested on the test split."""
+    return Task(
+        name=data.name,
+        init=lambda key: model.init(key, data.x_train[:1])["params"],
+        loss_fn=classification_loss(model),
+        batches=lambda global_batch, seed, epoch: batches(data, global_batch, seed, epoch),
+        evaluate=lambda params: accuracy(model, params, data.x_test, data.y_test),
+    )
 
 
 def accuracy(model: Any, params: Any, x: np.ndarray, y: np.ndarray) -> float:
@@ -302,7 +415,11 @@ def parse_methods(text: str) -> list[str]:
 
 @dataclasses.dataclass
 class RunResult:
-    """One training run's history and summary."""
+    """One training run's history and summary.
+
+    `probes` holds, per name, the values a probe returned every `probe_every` steps, with
+    their step numbers in `probe_steps`.
+    """
 
     method: str
     losses: list[float]
@@ -311,6 +428,11 @@ class RunResult:
     step_seconds: float
     bytes_per_step: float
     wall_seconds: float
+    probe_steps: list[int] = dataclasses.field(default_factory=list)
+    probes: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+
+
+Probe = Callable[[Any, Any, Any], dict[str, Any]]
 
 
 def bytes_per_step(
@@ -344,42 +466,54 @@ def bytes_per_step(
 
 def train(
     method: Method,
-    model: Any,
-    data: Dataset,
+    task: Task,
     mesh: jax.sharding.Mesh,
     *,
     epochs: int,
     batch_per_device: int,
     seed: int,
     progress: bool = True,
+    probe: Probe | None = None,
+    probe_every: int = 10,
 ) -> RunResult:
-    """Trains `model` data-parallel with the method on `mesh`; tests each epoch.
+    """Trains on `task` data-parallel with the method on `mesh`; tests after each epoch.
 
     For methods whose devices hold different params, the model tested is the mean of the
-    devices' params (the federated model).
+    devices' params (the federated model). `probe(params, state, batch)`, if given, runs
+    before every `probe_every`-th step and returns a dict of values (NumPy or floats) to
+    record.
     """
     from tqdm.auto import tqdm
 
     n = parallel.num_shards(mesh)
     global_batch = n * batch_per_device
-    init = model.init(jax.random.key(seed), data.x_train[:1])["params"]
     place = parallel.per_device if method.per_device else parallel.replicate
-    params = place(init, mesh)
+    params = place(task.init(jax.random.key(seed)), mesh)
     state = parallel.init_state(method.tx, params, mesh, params_per_device=method.per_device)
-    loss_fn = classification_loss(model)
     step = parallel.train_step(
-        loss_fn, method.tx, mesh, has_aux=True, donate=True, params_per_device=method.per_device
+        task.loss_fn,
+        method.tx,
+        mesh,
+        has_aux=True,
+        donate=probe is None,
+        params_per_device=method.per_device,
     )
-    first = batches(data, global_batch, seed, 0)
+    first = task.batches(global_batch, seed, 0)
     if not first:
         raise SystemExit(f"the global batch {global_batch} is larger than the training set")
-    sent = bytes_per_step(method, loss_fn, mesh, params, first[0])
+    sent = bytes_per_step(method, task.loss_fn, mesh, params, first[0])
 
     losses, epoch_accuracy, times = [], [], []
+    probe_steps: list[int] = []
+    probes: dict[str, list[Any]] = {}
     start = time.perf_counter()
     bar = tqdm(total=epochs * len(first), desc=method.name, disable=not progress, leave=False)
     for epoch in range(epochs):
-        for batch in batches(data, global_batch, seed, epoch):
+        for batch in task.batches(global_batch, seed, epoch):
+            if probe is not None and len(losses) % probe_every == 0:
+                probe_steps.append(len(losses))
+                for key, value in probe(params, state, batch).items():
+                    probes.setdefault(key, []).append(value)
             t0 = time.perf_counter()
             params, state, metrics = step(params, state, batch)
             loss = float(metrics["loss"])  # blocks: async steps can deadlock on a small CPU
@@ -387,11 +521,7 @@ def train(
             losses.append(loss)
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", epoch=epoch)
-        epoch_accuracy.append(
-            accuracy(
-                model, _model_params(params, method.per_device, mesh), data.x_test, data.y_test
-            )
-        )
+        epoch_accuracy.append(task.evaluate(_model_params(params, method.per_device, mesh)))
     bar.close()
     return RunResult(
         method=method.name,
@@ -401,6 +531,8 @@ def train(
         step_seconds=float(np.median(times[1:] or times)),
         bytes_per_step=sent,
         wall_seconds=time.perf_counter() - start,
+        probe_steps=probe_steps,
+        probes=probes,
     )
 
 
@@ -412,6 +544,63 @@ def _model_params(params: Any, per_device: bool, mesh: Any) -> Any:
         )
         params = mean(params)
     return parallel.host_copy(params)
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, methods: str) -> None:
+    """The flags of a classification run over several methods (train.py, compare.py)."""
+    parser.add_argument(
+        "--method", default=methods, help=f"comma-separated methods, from: {', '.join(METHODS)}"
+    )
+    parser.add_argument("--optimizer", default="adam", help="adam, sgd or momentum")
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
+    parser.add_argument("--schedule", default="cosine", help="cosine (decay to 0) or constant")
+    parser.add_argument("--epochs", type=int, default=30, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=16, help="examples per device per step")
+    parser.add_argument("--density", type=float, default=0.01, help="k/d for lags and slgs")
+    add_common_args(parser)
+
+
+def run_methods(args: argparse.Namespace, name: str) -> list[RunResult]:
+    """Trains the small CNN with each of `args.method`, the same data order and optimizer.
+
+    Writes `name`.json, `name`.png and `name`.md to `args.out` (from process 0).
+    """
+    methods = parse_methods(args.method)
+    devices = setup(args)
+    mesh = parallel.make_mesh(devices=devices)
+    data = load_dataset(args.dataset, args.data_dir, args.seed)
+    task = classification_task(small_cnn(data.num_classes), data)
+    main = is_main_process()
+    if main:
+        print(
+            f"gradcomm {gradcomm.__version__}: {describe(devices)}; "
+            f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test"
+        )
+    steps = args.epochs * len(task.batches(len(devices) * args.batch_size, args.seed, 0))
+    results = []
+    for method in methods:
+        inner = optimizer(args.optimizer, args.lr, steps, args.schedule)
+        result = train(
+            make_method(method, inner, density=args.density),
+            task,
+            mesh,
+            epochs=args.epochs,
+            batch_per_device=args.batch_size,
+            seed=args.seed,
+            progress=main and not args.no_progress,
+        )
+        results.append(result)
+        if main:
+            print(
+                f"{method:>14}: test accuracy {100 * result.test_accuracy:.2f}% "
+                f"in {result.wall_seconds:.1f}s"
+            )
+    if main:
+        table = results_table(results)
+        config = {**vars(args), "devices": len(devices), "processes": jax.process_count()}
+        path = write_outputs(args.out, name, config, results, table)
+        print(f"\n{table}\n\nwrote {path}/{name}.json, {name}.png, {name}.md")
+    return results
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -427,11 +616,22 @@ def write_outputs(
     """Writes `name`.json (config and every run), `name`.png and `name`.md under `out`."""
     path = pathlib.Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    payload = {"config": config, "runs": [dataclasses.asdict(r) for r in results]}
+    payload = {"config": config, "runs": [_jsonable(dataclasses.asdict(r)) for r in results]}
     (path / f"{name}.json").write_text(json.dumps(payload, indent=1))
     (path / f"{name}.md").write_text(table + "\n")
     plot_runs(results, path / f"{name}.png")
     return path
+
+
+def _jsonable(value: Any) -> Any:
+    """NumPy arrays and scalars inside nested containers to plain lists and floats."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    return value
 
 
 def plot_runs(results: Sequence[RunResult], file: pathlib.Path) -> None:
@@ -459,14 +659,15 @@ def results_table(results: Sequence[RunResult], baseline: str = "allreduce") -> 
     """A Markdown table: accuracy, loss, bytes per step and step time against the baseline."""
     base = next((r for r in results if r.method == baseline), results[0])
     rows = [
-        "| method | test accuracy | final loss | bytes sent per device per step "
-        f"| step time vs {base.method} |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        f"| method | test accuracy | final loss | bytes sent per device per step "
+        f"| bytes vs {base.method} | step time vs {base.method} |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         final = float(np.mean(r.losses[-10:]))
         rows.append(
             f"| {r.method} | {100 * r.test_accuracy:.2f}% | {final:.4f} "
-            f"| {r.bytes_per_step:,.0f} | {r.step_seconds / base.step_seconds:.2f}x |"
+            f"| {r.bytes_per_step:,.0f} | {r.bytes_per_step / base.bytes_per_step:.3f} "
+            f"| {r.step_seconds / base.step_seconds:.2f}x |"
         )
     return "\n".join(rows)

@@ -3,13 +3,15 @@
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
-SCRIPTS = ["train.py", "bench_collectives.py"]
+SCRIPTS = ["train.py", "compare.py", "bench_collectives.py"]
 
 
 def run(script, *args, timeout=300):
@@ -32,12 +34,12 @@ def test_help(script):
 
 
 @pytest.mark.slow
-def test_train_writes_json_png_and_markdown(tmp_path):
+def test_compare_runs_every_method_and_writes_json_png_and_markdown(tmp_path):
     result = run(
-        "train.py", "--devices", "2", "--epochs", "2", "--no-progress", "--out", str(tmp_path)
+        "compare.py", "--devices", "2", "--epochs", "2", "--no-progress", "--out", str(tmp_path)
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = json.loads((tmp_path / "train.json").read_text())["runs"]
+    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
     assert [r["method"] for r in runs] == [
         "allreduce",
         "adasum",
@@ -54,8 +56,79 @@ def test_train_writes_json_png_and_markdown(tmp_path):
     for r in runs:
         assert 0.5 < r["test_accuracy"] <= 1 and r["bytes_per_step"] > 0
         assert r["losses"][-1] < r["losses"][0]
-    assert (tmp_path / "train.png").stat().st_size > 0
-    assert "| adasum |" in (tmp_path / "train.md").read_text()
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert "| adasum |" in (tmp_path / "compare.md").read_text()
+
+
+def test_train_runs_one_method(tmp_path):
+    result = run(
+        "train.py",
+        "--devices",
+        "2",
+        "--epochs",
+        "1",
+        "--method",
+        "lags",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["method"] for r in json.loads((tmp_path / "train.json").read_text())["runs"]] == [
+        "lags"
+    ]
+
+
+@pytest.mark.slow
+def test_compare_in_two_processes_matches_one(tmp_path):
+    """Two processes with 4 devices each (gloo) against one with 8: the same numbers.
+
+    Every method but the all-reduce based ones moves data without arithmetic, so those
+    runs agree bit for bit; a psum may add in another order across processes, so losses
+    are compared to float32 rounding.
+    """
+    methods = "allreduce,adasum,lags,sgp,local-sgd"
+    common = ["--epochs", "1", "--method", methods, "--no-progress"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "experiments" / "compare.py"),
+                *common,
+                "--devices",
+                "4",
+                "--coordinator-address",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--out",
+                str(tmp_path / "two"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    single = run("compare.py", *common, "--devices", "8", "--out", str(tmp_path / "one"))
+    for proc in procs:
+        log = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, log[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "compare.json").read_text())["runs"]
+    one = json.loads((tmp_path / "one" / "compare.json").read_text())["runs"]
+    for a, b in zip(two, one, strict=True):
+        assert a["method"] == b["method"]
+        assert a["test_accuracy"] == b["test_accuracy"]
+        assert a["bytes_per_step"] == b["bytes_per_step"]
+        np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
