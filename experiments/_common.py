@@ -435,6 +435,32 @@ class RunResult:
 Probe = Callable[[Any, Any, Any], dict[str, Any]]
 
 
+def on_devices(
+    mesh: Any, fn: Callable[..., Any], *, per_device_params: bool = False
+) -> Callable[..., Any]:
+    """`fn(params, batch, *extras)` on every device, for probes; returns host NumPy.
+
+    `params` are replicated (typed per device inside, so gradients are each device's own)
+    or carry a device axis; `batch` and `extras` are split over devices. `fn` must return
+    values that are the same on every device (reduce with a collective).
+    """
+    spec = P("data")
+
+    def run(params: Any, batch: Any, *extras: Any) -> Any:
+        def body(params: Any, batch: Any, *extras: Any) -> Any:
+            if per_device_params:
+                params = jax.tree.map(lambda x: x[0], params)
+            else:
+                params = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), params)
+            return fn(params, batch, *jax.tree.map(lambda x: x[0], extras))
+
+        specs = (spec if per_device_params else P(), spec, *([spec] * len(extras)))
+        mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()))
+        return jax.tree.map(np.asarray, mapped(params, parallel.shard_batch(batch, mesh), *extras))
+
+    return run
+
+
 def bytes_per_step(
     method: Method, loss_fn: Callable[..., Any], mesh: Any, params: Any, batch: Any
 ) -> float:
@@ -606,6 +632,37 @@ def run_methods(args: argparse.Namespace, name: str) -> list[RunResult]:
 # ----------------------------------------------------------------------------- outputs
 
 
+def write_study(
+    out: str | os.PathLike,
+    name: str,
+    config: dict[str, Any],
+    results: Sequence[RunResult],
+    table: str,
+    plot: Callable[[Any], None],
+    extra: dict[str, Any] | None = None,
+) -> pathlib.Path:
+    """Writes `name`.json (config, every run, `extra`), `name`.md and `name`.png under `out`.
+
+    `plot(figure)` draws on a matplotlib figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = pathlib.Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    payload = {"config": config, "runs": [dataclasses.asdict(r) for r in results], **(extra or {})}
+    (path / f"{name}.json").write_text(json.dumps(_jsonable(payload), indent=1))
+    (path / f"{name}.md").write_text(table + "\n")
+    fig = plt.figure(figsize=(11, 4))
+    plot(fig)
+    fig.tight_layout()
+    fig.savefig(path / f"{name}.png", dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_outputs(
     out: str | os.PathLike,
     name: str,
@@ -613,14 +670,8 @@ def write_outputs(
     results: Sequence[RunResult],
     table: str,
 ) -> pathlib.Path:
-    """Writes `name`.json (config and every run), `name`.png and `name`.md under `out`."""
-    path = pathlib.Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    payload = {"config": config, "runs": [_jsonable(dataclasses.asdict(r)) for r in results]}
-    (path / f"{name}.json").write_text(json.dumps(payload, indent=1))
-    (path / f"{name}.md").write_text(table + "\n")
-    plot_runs(results, path / f"{name}.png")
-    return path
+    """Writes `name`.json, `name`.png (loss and accuracy curves) and `name`.md under `out`."""
+    return write_study(out, name, config, results, table, lambda fig: plot_runs(results, fig))
 
 
 def _jsonable(value: Any) -> Any:
@@ -634,14 +685,9 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def plot_runs(results: Sequence[RunResult], file: pathlib.Path) -> None:
+def plot_runs(results: Sequence[RunResult], fig: Any) -> None:
     """Training loss per step and test accuracy per epoch, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left, right = fig.subplots(1, 2)
     for r in results:
         left.plot(r.losses, label=r.method, lw=1)
         right.plot(range(1, len(r.epoch_accuracy) + 1), r.epoch_accuracy, label=r.method)
@@ -649,10 +695,7 @@ def plot_runs(results: Sequence[RunResult], file: pathlib.Path) -> None:
     right.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(file, dpi=120)
-    plt.close(fig)
+        ax.legend(fontsize=7)
 
 
 def results_table(results: Sequence[RunResult], baseline: str = "allreduce") -> str:

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Adasum at large batch: accuracy against the number of devices, and gradient orthogonality.
+
+    python experiments/adasum_large_batch.py                  # N = 1..32, 32 simulated devices
+    python experiments/adasum_large_batch.py --sizes 1,2,4,8 --epochs 4
+
+The claim (Maleki et al., MLSys 2021, 5.2.3 and Fig. 4): with a fixed batch per device,
+an all-reduce needs its learning rate scaled with N (Goyal et al.'s linear rule) and loses
+accuracy as N grows, while Adasum, with the small-batch learning rate, keeps it. Both use
+momentum SGD for the same number of epochs. Section 5.1.3 and Fig. 2: the per-layer
+orthogonality |AS(g)|^2 / sum_i |g_i|^2 of the devices' gradients grows during training,
+measured here at the largest N. Writes adasum_large_batch.{json,png,md} to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common
+import jax
+import numpy as np
+import optax
+
+import gradcomm
+from gradcomm import parallel
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--sizes", default="1,2,4,8,16,32", help="numbers of devices N")
+    parser.add_argument("--batch-size", type=int, default=4, help="examples per device per step")
+    parser.add_argument("--epochs", type=int, default=8, help="passes over the training set")
+    parser.add_argument("--lr", type=float, default=0.02, help="the small-batch learning rate")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--probe-every", type=int, default=2, help="steps between probes")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds to average over")
+    _common.add_common_args(parser)
+    args = parser.parse_args(argv)
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args.devices = args.devices or max(sizes)
+
+    devices = _common.setup(args)
+    if max(sizes) > len(devices):
+        raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
+    data = _common.load_dataset(args.dataset, args.data_dir, args.seed)
+    model = _common.small_cnn(data.num_classes)
+    task = _common.classification_task(model, data)
+    main_process = _common.is_main_process()
+
+    def orthogonality(params: object, batch: object) -> object:
+        grads = jax.grad(lambda p: task.loss_fn(p, batch)[0])(params)
+        return gradcomm.orthogonality(grads, "data")
+
+    def named(tree: object) -> dict[str, float]:
+        paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(p, simple=True, separator="/"): float(v) for p, v in paths}
+
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results, rows = [], []
+    for seed in seeds:
+        for n in sizes:
+            mesh = parallel.make_mesh(devices=devices[:n])
+            probe_fn = _common.on_devices(mesh, orthogonality)
+            for name, tx in (
+                (
+                    "allreduce",
+                    optax.chain(gradcomm.allreduce("data"), optax.sgd(args.lr * n, args.momentum)),
+                ),
+                ("adasum", optax.chain(optax.sgd(args.lr, args.momentum), gradcomm.adasum("data"))),
+            ):
+                probe = None
+                if name == "adasum" and n == max(sizes) and seed == seeds[0]:
+                    probe = lambda p, s, b, f=probe_fn: {"orthogonality": named(f(p, b))}  # noqa: E731
+                result = _common.train(
+                    _common.Method(f"{name} N={n} seed={seed}", tx),
+                    task,
+                    mesh,
+                    epochs=args.epochs,
+                    batch_per_device=args.batch_size,
+                    seed=seed,
+                    progress=main_process and not args.no_progress,
+                    probe=probe,
+                    probe_every=args.probe_every,
+                )
+                results.append(result)
+                rows.append((seed, n, name, result.test_accuracy, len(result.losses)))
+                if main_process:
+                    print(
+                        f"seed {seed} N={n:>2} {name:>9}: test accuracy "
+                        f"{100 * result.test_accuracy:.2f}% ({len(result.losses)} steps)"
+                    )
+
+    if main_process:
+        over = f"mean (min-max) over {len(seeds)} seeds"
+        table = [
+            f"| N | global batch | steps | allreduce (lr x N), {over} | adasum (lr), {over} |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for n in sizes:
+            cells = []
+            for name in ("allreduce", "adasum"):
+                acc = 100 * np.array([a for _, m, k, a, _ in rows if m == n and k == name])
+                cells.append(f"{acc.mean():.2f}% ({acc.min():.2f}-{acc.max():.2f})")
+            steps = next(s for _, m, _, _, s in rows if m == n)
+            table.append(f"| {n} | {n * args.batch_size} | {steps} | {cells[0]} | {cells[1]} |")
+        table = "\n".join(table)
+        probed = next(r for r in results if r.probes)
+        path = _common.write_study(
+            args.out,
+            "adasum_large_batch",
+            vars(args),
+            results,
+            table,
+            lambda fig: plot(fig, sizes, rows, probed),
+        )
+        print(f"\n{table}\n\nwrote {path}")
+
+
+def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _common.RunResult) -> None:
+    left, right = fig.subplots(1, 2)
+    for name in ("allreduce", "adasum"):
+        acc = np.array([[100 * a for _, m, k, a, _ in rows if m == n and k == name] for n in sizes])
+        label = name + (" (lr x N)" if name == "allreduce" else " (lr)")
+        left.plot(sizes, acc.mean(1), "o-", label=label)
+        left.fill_between(sizes, acc.min(1), acc.max(1), alpha=0.2)
+    left.set(
+        xscale="log",
+        xlabel="devices N (fixed batch per device)",
+        ylabel="test accuracy (%)",
+        title="accuracy against N (mean, min-max over seeds)",
+    )
+    left.set_xticks(sizes, [str(n) for n in sizes])
+    values = probed.probes["orthogonality"]
+    for leaf in values[0]:
+        right.plot(probed.probe_steps, [v[leaf] for v in values], lw=1, label=leaf)
+    mean = [np.mean(list(v.values())) for v in values]
+    right.plot(probed.probe_steps, mean, "r-", lw=3, label="mean over layers")
+    right.set(
+        xlabel="step",
+        ylabel="|AS(g)|^2 / sum |g_i|^2",
+        ylim=(0, 1.05),
+        title=f"gradient orthogonality, {probed.method}",
+    )
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+
+if __name__ == "__main__":
+    main()
