@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""TernGrad against the number of workers, with a fixed total batch; float as the baseline.
+
+    python experiments/terngrad_workers.py               # N = 1..16, 16 simulated devices
+    python experiments/terngrad_workers.py --sizes 1,4 --epochs 5
+
+The claims (Wen et al., NeurIPS 2017, Fig. 3 and Tables 1-2): ternary gradients with
+layer-wise scalars, scalar sharing and clipping at 2.5 standard deviations reach about the
+float accuracy, with momentum SGD and with vanilla SGD, as the workers grow; without
+clipping accuracy drops. Every layer is ternarized here (the paper's small networks).
+The last panel is Fig. 2: one layer's gradient on one device before clipping, after it,
+ternarized, and averaged over the devices. Writes terngrad_workers.{json,png,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import gradcomm
+from gradcomm import parallel
+
+OPTIMIZERS = {"momentum": 0.02, "sgd": 0.3}  # learning rates chosen on the float runs alone
+VARIANTS = ("float", "terngrad", "terngrad-noclip")
+LAYER = ("Dense_0", "kernel")
+
+
+def transformation(variant: str, opt: optax.GradientTransformation) -> optax.GradientTransformation:
+    if variant == "float":
+        return optax.chain(gradcomm.allreduce("data"), opt)
+    clip = None if variant == "terngrad-noclip" else 2.5
+    return optax.chain(gradcomm.terngrad("data", clip=clip), opt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--sizes", default="1,2,4,8,16", help="numbers of devices N")
+    parser.add_argument(
+        "--total-batch", type=int, default=128, help="examples per step, all devices"
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    _common.add_common_args(parser)
+    args = parser.parse_args(argv)
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args.devices = args.devices or max(sizes)
+    if any(args.total_batch % n for n in sizes):
+        raise SystemExit(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
+
+    devices = _common.setup(args)
+    data = _common.load_dataset(args.dataset, args.data_dir, args.seed)
+    task = _common.classification_task(_common.small_cnn(data.num_classes), data)
+    main_process = _common.is_main_process()
+
+    results, rows = [], []
+    for n in sizes:
+        mesh = parallel.make_mesh(devices=devices[:n])
+        for opt_name, lr in OPTIMIZERS.items():
+            opt = optax.sgd(lr, momentum=0.9 if opt_name == "momentum" else None)
+            for variant in VARIANTS:
+                result = _common.train(
+                    _common.Method(f"{variant} {opt_name} N={n}", transformation(variant, opt)),
+                    task,
+                    mesh,
+                    epochs=args.epochs,
+                    batch_per_device=args.total_batch // n,
+                    seed=args.seed,
+                    progress=main_process and not args.no_progress,
+                )
+                results.append(result)
+                rows.append((n, opt_name, variant, result.test_accuracy))
+                if main_process:
+                    print(
+                        f"N={n:>2} {opt_name:>8} {variant:>16}: {100 * result.test_accuracy:.2f}%"
+                    )
+
+    histogram = layer_histogram(task, devices[: max(sizes)], args)
+    if main_process:
+        head = " | ".join(f"{o} {v}" for o in OPTIMIZERS for v in VARIANTS)
+        table = [f"| N | per device | {head} |", "| ---: | ---: |" + " ---: |" * 6]
+        for n in sizes:
+            acc = {(o, v): a for m, o, v, a in rows if m == n}
+            cells = " | ".join(f"{100 * acc[o, v]:.2f}%" for o in OPTIMIZERS for v in VARIANTS)
+            table.append(f"| {n} | {args.total_batch // n} | {cells} |")
+        table = "\n".join(table)
+        path = _common.write_study(
+            args.out,
+            "terngrad_workers",
+            vars(args),
+            results,
+            table,
+            lambda fig: plot(fig, sizes, rows, histogram),
+            extra={"histogram": histogram},
+        )
+        print(f"\n{table}\n\nwrote {path}")
+
+
+def layer_histogram(task: _common.Task, devices: list, args: argparse.Namespace) -> dict:
+    """Fig. 2: one layer's gradient on device 0 before and after clipping, ternarized, averaged.
+
+    Taken after two epochs of float training with momentum SGD, on all the devices.
+    """
+    n = len(devices)
+    mesh = parallel.make_mesh(devices=devices)
+    terngrad = gradcomm.terngrad("data")
+
+    def views(params: object, batch: object) -> dict[str, jax.Array]:
+        grads = jax.grad(lambda p: task.loss_fn(p, batch)[0])(params)
+        g = grads[LAYER[0]][LAYER[1]]
+        first = lax.axis_index("data") == 0
+        codes, scale = gradcomm.ternarize(g, jax.random.key(0))
+        clipped = jnp.clip(g, -2.5 * jnp.std(g), 2.5 * jnp.std(g))
+        mean = terngrad.update(grads, terngrad.init(grads))[0][LAYER[0]][LAYER[1]]
+        on_first = lambda x: lax.psum(jnp.where(first, x, 0), "data")  # noqa: E731
+        return {
+            "float": on_first(g),
+            "clipped": on_first(clipped),
+            "ternary": on_first(scale * codes),
+            "averaged": mean,
+        }
+
+    snapshot = _common.on_devices(mesh, views)
+    epoch = len(task.batches(args.total_batch, args.seed, 0))
+    run = _common.train(
+        _common.Method("float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))),
+        task,
+        mesh,
+        epochs=3,
+        batch_per_device=args.total_batch // n,
+        seed=args.seed,
+        progress=False,
+        probe=lambda p, s, b: snapshot(p, b),
+        probe_every=2 * epoch,
+    )
+    arrays = {k: v[-1] for k, v in run.probes.items()}  # at the start of the third epoch
+    edges = np.linspace(-np.abs(arrays["float"]).max(), np.abs(arrays["float"]).max(), 61)
+    return {
+        "layer": "/".join(LAYER),
+        "devices": n,
+        "step": run.probe_steps[-1],
+        "edges": edges,
+        **{k: np.histogram(np.ravel(v), bins=edges)[0] for k, v in arrays.items()},
+    }
+
+
+def plot(fig: object, sizes: list[int], rows: list[tuple], histogram: dict) -> None:
+    axes = fig.subplots(1, 3)
+    for ax, opt_name in zip(axes[:2], OPTIMIZERS, strict=True):
+        for variant in VARIANTS:
+            acc = [100 * a for m, o, v, a in rows if o == opt_name and v == variant]
+            ax.plot(sizes, acc, "o-", label=variant)
+        ax.set(
+            xscale="log",
+            xlabel="workers N (fixed total batch)",
+            ylabel="test accuracy (%)",
+            title="momentum SGD" if opt_name == "momentum" else "vanilla SGD",
+        )
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+    centers = (histogram["edges"][1:] + histogram["edges"][:-1]) / 2
+    for key in ("float", "clipped", "ternary", "averaged"):
+        axes[2].plot(centers, histogram[key], label=key, lw=1)
+    axes[2].set(
+        yscale="log",
+        xlabel=f"gradient of {histogram['layer']}",
+        ylabel="count",
+        title=f"one layer, step {histogram['step']}, {histogram['devices']} devices",
+    )
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+
+if __name__ == "__main__":
+    main()
