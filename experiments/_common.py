@@ -30,8 +30,14 @@ from gradcomm import parallel
 # ----------------------------------------------------------------------------- devices
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Device, host, data, seed and output flags shared by every experiment."""
+def add_common_args(
+    parser: argparse.ArgumentParser, *, data: bool = True, seed: bool = True
+) -> None:
+    """Device, host, data, seed and output flags shared by every experiment.
+
+    A study that makes its own data leaves out `--dataset` and `--data-dir` (`data=False`);
+    one that runs several seeds leaves out `--seed` (`seed=False`).
+    """
     group = parser.add_argument_group("devices and hosts")
     group.add_argument(
         "--devices",
@@ -43,13 +49,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
     group.add_argument("--num-processes", type=int, default=1, help="processes in the run")
     group.add_argument("--process-id", type=int, default=0, help="this process's index")
-    parser.add_argument(
-        "--dataset", default="digits", help="digits (bundled), mnist or cifar10 (from --data-dir)"
-    )
-    parser.add_argument(
-        "--data-dir", default=None, help="directory with MNIST idx files or CIFAR-10 batches"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    if data:
+        parser.add_argument(
+            "--dataset",
+            default="digits",
+            help="digits (bundled), mnist or cifar10 (from --data-dir)",
+        )
+        parser.add_argument(
+            "--data-dir", default=None, help="directory with MNIST idx files or CIFAR-10 batches"
+        )
+    if seed:
+        parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
         "--out",
         default="runs/" + pathlib.Path(sys.argv[0]).stem,
@@ -418,7 +428,8 @@ class RunResult:
     """One training run's history and summary.
 
     `probes` holds, per name, the values a probe returned every `probe_every` steps, with
-    their step numbers in `probe_steps`.
+    their step numbers in `probe_steps`; `eval_accuracy` the test accuracy after each of
+    `eval_steps` steps (every `eval_every` steps, when asked for).
     """
 
     method: str
@@ -430,6 +441,8 @@ class RunResult:
     wall_seconds: float
     probe_steps: list[int] = dataclasses.field(default_factory=list)
     probes: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    eval_steps: list[int] = dataclasses.field(default_factory=list)
+    eval_accuracy: list[float] = dataclasses.field(default_factory=list)
 
 
 Probe = Callable[[Any, Any, Any], dict[str, Any]]
@@ -501,8 +514,11 @@ def train(
     progress: bool = True,
     probe: Probe | None = None,
     probe_every: int = 10,
+    eval_every: int | None = None,
 ) -> RunResult:
     """Trains on `task` data-parallel with the method on `mesh`; tests after each epoch.
+
+    With `eval_every`, it also tests after every `eval_every`-th step (a learning curve).
 
     For methods whose devices hold different params, the model tested is the mean of the
     devices' params (the federated model). `probe(params, state, batch)`, if given, runs
@@ -532,6 +548,8 @@ def train(
     losses, epoch_accuracy, times = [], [], []
     probe_steps: list[int] = []
     probes: dict[str, list[Any]] = {}
+    eval_steps: list[int] = []
+    eval_accuracy: list[float] = []
     start = time.perf_counter()
     bar = tqdm(total=epochs * len(first), desc=method.name, disable=not progress, leave=False)
     for epoch in range(epochs):
@@ -547,6 +565,9 @@ def train(
             losses.append(loss)
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", epoch=epoch)
+            if eval_every and len(losses) % eval_every == 0:
+                eval_steps.append(len(losses))
+                eval_accuracy.append(task.evaluate(_model_params(params, method.per_device, mesh)))
         epoch_accuracy.append(task.evaluate(_model_params(params, method.per_device, mesh)))
     bar.close()
     return RunResult(
@@ -559,6 +580,8 @@ def train(
         wall_seconds=time.perf_counter() - start,
         probe_steps=probe_steps,
         probes=probes,
+        eval_steps=eval_steps,
+        eval_accuracy=eval_accuracy,
     )
 
 

@@ -24,7 +24,7 @@ def test_docstring_examples(name):
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
 def test_ruff(command):
     ruff = shutil.which("ruff") or pytest.skip("ruff is not installed")
-    dirs = [str(ROOT / d) for d in ("gradcomm", "tests", "experiments")]
+    dirs = [str(ROOT / d) for d in ("gradcomm", "tests", "experiments", "colab")]
     result = subprocess.run([ruff, *command, *dirs], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 

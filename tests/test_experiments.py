@@ -14,11 +14,31 @@ ROOT = pathlib.Path(__file__).parent.parent
 SCRIPTS = sorted(p.name for p in (ROOT / "experiments").glob("[!_]*.py"))
 # Each study at its smallest: the script runs end to end and writes JSON, PNG and Markdown.
 STUDIES = {
-    "adasum_large_batch.py": ["--sizes", "1,2", "--epochs", "1", "--seeds", "0"],
+    "adasum_large_batch.py": [
+        "--sizes",
+        "1,2",
+        "--epochs",
+        "1",
+        "--seeds",
+        "0",
+        "--batch-size",
+        "32",
+        "--probe-every",
+        "20",
+    ],
     "terngrad_workers.py": ["--sizes", "2", "--epochs", "1"],
     "lags_sparsity.py": ["--densities", "0.01", "--epochs", "1"],
-    "sgp_gossip.py": ["--epochs", "2", "--devices", "4"],
-    "local_gradients.py": ["--epochs", "1", "--train-size", "512", "--devices", "2"],
+    "sgp_gossip.py": ["--epochs", "1", "--seeds", "0", "--batch-size", "64", "--devices", "4"],
+    "local_gradients.py": [
+        "--seeds",
+        "0",
+        "--epochs",
+        "1",
+        "--train-size",
+        "512",
+        "--methods",
+        "allreduce,dropping-local",
+    ],
 }
 
 
