@@ -281,6 +281,12 @@ def classification_task(model: Any, data: Dataset) -> Task:
     )
 
 
+def cnn_task(args: argparse.Namespace) -> Task:
+    """The small CNN on `--dataset` (from `--data-dir`), split with `--seed`."""
+    data = load_dataset(args.dataset, args.data_dir, args.seed)
+    return classification_task(small_cnn(data.num_classes), data)
+
+
 def accuracy(model: Any, params: Any, x: np.ndarray, y: np.ndarray) -> float:
     logits = jax.jit(lambda p, v: model.apply({"params": p}, v))(params, x)
     return float(np.mean(np.argmax(np.asarray(logits), -1) == y))

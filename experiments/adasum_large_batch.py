@@ -42,9 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     devices = _common.setup(args)
     if max(sizes) > len(devices):
         raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
-    data = _common.load_dataset(args.dataset, args.data_dir, args.seed)
-    model = _common.small_cnn(data.num_classes)
-    task = _common.classification_task(model, data)
+    task = _common.cnn_task(args)
     main_process = _common.is_main_process()
 
     def orthogonality(params: object, batch: object) -> object:

@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     devices = _common.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    data = _common.load_dataset(args.dataset, args.data_dir, args.seed)
-    task = _common.classification_task(_common.small_cnn(data.num_classes), data)
+    task = _common.cnn_task(args)
     main_process = _common.is_main_process()
     epoch = len(task.batches(n * args.batch_size, args.seed, 0))
     steps = args.epochs * epoch

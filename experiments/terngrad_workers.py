@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
 
     devices = _common.setup(args)
-    data = _common.load_dataset(args.dataset, args.data_dir, args.seed)
-    task = _common.classification_task(_common.small_cnn(data.num_classes), data)
+    task = _common.cnn_task(args)
     main_process = _common.is_main_process()
 
     results, rows = [], []

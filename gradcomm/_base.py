@@ -127,6 +127,12 @@ def check_float_leaves(tree: Any, who: str) -> None:
             )
 
 
+def require_params(params: Any, who: str) -> None:
+    """Raises a `ValueError` when a transformation that reads params was given none."""
+    if params is None:
+        raise ValueError(f"{who} needs params: call tx.update(updates, state, params)")
+
+
 def leaf_names(paths: Sequence[tuple[Any, ...]]) -> list[str]:
     """'Dense_1/kernel' style names for pytree key paths."""
 

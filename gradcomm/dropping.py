@@ -272,8 +272,7 @@ def local_sgd(
     def update_fn(
         updates: Any, state: LocalSgdState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LocalSgdState]:
-        if params is None:
-            raise ValueError("local_sgd needs params: call tx.update(updates, state, params)")
+        _base.require_params(params, "local_sgd")
         _base.check_float_leaves(updates, "local_sgd")
         _base.axis_size(axis_name)
         due = _base.averaging_due(state.count, every)

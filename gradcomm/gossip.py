@@ -177,8 +177,7 @@ def sgp(
         updates: Any, state: SgpState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, SgpState]:
         del extra_args
-        if params is None:
-            raise ValueError("sgp needs params: call tx.update(updates, state, params)")
+        _base.require_params(params, "sgp")
         _base.check_float_leaves(updates, "sgp")
         n = _base.axis_size(axis_name)
         graph = topologies.resolve(topology, n)
@@ -277,8 +276,7 @@ def dpsgd(
         updates: Any, state: DpsgdState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, DpsgdState]:
         del extra_args
-        if params is None:
-            raise ValueError("dpsgd needs params: call tx.update(updates, state, params)")
+        _base.require_params(params, "dpsgd")
         _base.check_float_leaves(updates, "dpsgd")
         graph = topologies.resolve(topology, _base.axis_size(axis_name))
         if not (graph.is_symmetric() and graph.is_doubly_stochastic()):
