@@ -365,30 +365,38 @@ def make_method(
     name: str,
     opt: optax.GradientTransformation,
     *,
+    axis: str | tuple[str, ...] = "data",
+    float_leaves: Sequence[str] | None = ("Dense_1",),
     density: float = 0.01,
     drop_ratio: float = 0.99,
     warmup_steps: int = 50,
     average_every: int = 50,
     local_every: int = 20,
 ) -> Method:
-    """The method `name` chained with the inner optimizer."""
+    """The method `name` chained with the inner optimizer, communicating over `axis`.
+
+    `float_leaves` are the leaves TernGrad keeps in float (the small CNN's last layer).
+    """
     if name == "allreduce":
-        return Method(name, optax.chain(gradcomm.allreduce("data"), opt))
+        return Method(name, optax.chain(gradcomm.allreduce(axis), opt))
     if name == "adasum":
-        return Method(name, optax.chain(opt, gradcomm.adasum("data")))
+        return Method(name, optax.chain(opt, gradcomm.adasum(axis)))
     if name == "terngrad":
-        return Method(name, optax.chain(gradcomm.terngrad("data", dense=["Dense_1"]), opt))
+        return Method(
+            name,
+            optax.chain(gradcomm.terngrad(axis, dense=float_leaves and list(float_leaves)), opt),
+        )
     if name == "lags":
-        return Method(name, optax.chain(opt, gradcomm.lags("data", density=density)))
+        return Method(name, optax.chain(opt, gradcomm.lags(axis, density=density)))
     if name == "slgs":
-        return Method(name, optax.chain(opt, gradcomm.slgs("data", density=density)))
+        return Method(name, optax.chain(opt, gradcomm.slgs(axis, density=density)))
     if name in ("dropping", "dropping-local"):
         local = "compensated" if name == "dropping-local" else None
         every = average_every if local else None
 
         def dropping(warmup: int, every: int | None) -> optax.GradientTransformation:
             return gradcomm.gradient_dropping(
-                "data",
+                axis,
                 drop_ratio=drop_ratio,
                 local=local,
                 warmup_steps=warmup,
@@ -405,16 +413,16 @@ def make_method(
     if name == "local-sgd":
         return Method(
             name,
-            optax.chain(opt, gradcomm.local_sgd("data", every=local_every)),
+            optax.chain(opt, gradcomm.local_sgd(axis, every=local_every)),
             per_device=True,
             steady_tx=opt,
             average_every=local_every,
         )
     if name in ("sgp", "osgp"):
-        tx = gradcomm.sgp("data", overlap=1 if name == "osgp" else 0)
+        tx = gradcomm.sgp(axis, overlap=1 if name == "osgp" else 0)
         return Method(name, optax.chain(opt, tx), per_device=True)
     if name == "dpsgd":
-        return Method(name, optax.chain(opt, gradcomm.dpsgd("data")), per_device=True)
+        return Method(name, optax.chain(opt, gradcomm.dpsgd(axis)), per_device=True)
     raise SystemExit(f"unknown method {name!r}: choose from {', '.join(METHODS)}")
 
 
@@ -497,7 +505,7 @@ def bytes_per_step(
     total = gradcomm.wire.measure(step, placed, state, batch).total
     if method.average_every:
         mean = jax.shard_map(
-            lambda p: jax.lax.pmean(p, "data"),
+            lambda p: jax.lax.pmean(p, mesh.axis_names),
             mesh=mesh,
             in_specs=P(),
             out_specs=P(),

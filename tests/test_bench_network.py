@@ -1,0 +1,184 @@
+"""The network benchmark: its refusal without root, its cleanup, and a tiny shaped run.
+
+Tests that make namespaces need root with CAP_NET_ADMIN (and iproute2); elsewhere they
+skip with the reason `_netcluster.root_problem` gives.
+"""
+
+import itertools
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import _netcluster as netcluster  # noqa: E402
+import bench_network  # noqa: E402
+
+SCRIPT = ROOT / "experiments" / "bench_network.py"
+PROBLEM = netcluster.root_problem(probe=True)
+needs_root = pytest.mark.skipif(PROBLEM is not None, reason=f"bench_network {PROBLEM}")
+
+
+def namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def env():
+    drop = ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def test_refuses_without_root(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_network.main(["--nodes", "2", "--out", str(tmp_path)])
+    message = str(exit_info.value.code)
+    assert message.startswith("bench_network: needs root") and "\n" not in message
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root")
+def test_refuses_without_root_as_a_process():
+    result = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+         str(SCRIPT), "--nodes", "2", "--out", "/tmp/never-written"],
+        capture_output=True, text=True, timeout=120, env=env(), check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_network: needs root"), lines
+
+
+def test_bad_arguments_exit_with_a_message():
+    for args in (["--rates", "100mb"], ["--methods", "nope"], ["--nodes", "1"]):
+        result = subprocess.run(
+            [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env(),
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert result.returncode == 2, args
+        assert "error:" in result.stderr
+
+
+def test_help_shows_defaults():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, env=env(),
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert "(default: 2,4)" in result.stdout and "unshaped,1gbit,100mbit" in result.stdout
+
+
+def test_rates_and_model_sizes():
+    assert netcluster.parse_rate("100mbit") == 100
+    assert netcluster.parse_rate("1gbit") == 1000
+    assert netcluster.parse_rate("unshaped") is None
+    with pytest.raises(ValueError, match="bad rate"):
+        netcluster.parse_rate("fast")
+    widths = bench_network.mlp_widths(4e6)
+    count = sum(a * b + b for a, b in itertools.pairwise(widths))
+    assert abs(count - 4e6) / 4e6 < 0.002
+
+
+def test_cycles_cover_every_period():
+    by = bench_network.BY_LABEL
+    assert bench_network.cycle(by["allreduce"], 4) == 1
+    assert bench_network.cycle(by["local-sgd"], 4) == 20
+    assert bench_network.cycle(by["dropping-local"], 2) == 50
+    assert bench_network.cycle(by["sgp"], 2) == 1
+    assert bench_network.cycle(by["sgp"], 4) == 2
+    assert bench_network.cycle(by["osgp"], 8) == 3
+    assert bench_network.cycle(by["dpsgd"], 4) == 2
+
+
+@needs_root
+def test_cluster_removes_only_what_it_made():
+    decoy = f"gcdecoy{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", decoy], check=True)
+    try:
+        before = namespaces()
+        with pytest.raises(RuntimeError, match="boom"):
+            with netcluster.Cluster(2, "100mbit") as cluster:
+                made = set(cluster.namespaces) | {cluster.bridge_ns}
+                assert made <= namespaces()
+                assert all(
+                    (netcluster.NETNS_ETC / ns / "hosts").exists() for ns in cluster.namespaces
+                )
+                qdisc = cluster.run(0, ["tc", "qdisc", "show", "dev", "veth0"],
+                                    capture_output=True, text=True, check=True)  # fmt: skip
+                assert "tbf" in qdisc.stdout and "100Mbit" in qdisc.stdout
+                raise RuntimeError("boom")
+        assert namespaces() == before and decoy in namespaces()
+        assert not any((netcluster.NETNS_ETC / ns).exists() for ns in made)
+    finally:
+        subprocess.run(["ip", "netns", "del", decoy], check=False)
+
+
+@needs_root
+def test_shaping_is_measured():
+    with netcluster.Cluster(2, "100mbit") as cluster:
+        links = cluster.measure_links(seconds=0.5)
+    assert len(links) == 2
+    assert all(85 <= m <= 105 for m in links), links
+
+
+@needs_root
+def test_ctrl_c_cleans_up(tmp_path):
+    before = namespaces()
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit", "--methods",
+         "allreduce", "--params", "2e4", "--steps", "500", "--shaped-runs", "5",
+         "--out", str(tmp_path)],
+        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    prefix = f"gc{proc.pid % 100000}-"
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(n.startswith(prefix) for n in namespaces()):
+        time.sleep(0.2)
+    assert any(n.startswith(prefix) for n in namespaces()), "the run made no namespace"
+    time.sleep(3)  # let the workers start
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert not any(n.startswith(prefix) for n in namespaces())
+    assert namespaces() == before
+
+
+@needs_root
+@pytest.mark.slow
+def test_tiny_run_writes_records(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit,unshaped",
+         "--methods", "allreduce,lags-0.01,local-sgd", "--params", "2e4", "--steps", "3",
+         "--runs", "2", "--out", str(tmp_path), "--quiet"],
+        capture_output=True, text=True, timeout=600, env=env(), check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads((tmp_path / "network.json").read_text())
+    assert {(r["label"], r["rate"]) for r in records} == {
+        (m, rate)
+        for m in ("allreduce", "lags-0.01", "local-sgd")
+        for rate in ("100mbit", "unshaped")
+    }
+    keys = {"method", "options", "nodes", "rate", "step_s", "ratio_vs_allreduce",
+            "bytes_per_step", "link_mbit_measured"}  # fmt: skip
+    for r in records:
+        assert keys <= set(r)
+        assert r["step_s"] > 0 and r["bytes_per_step"] > 0
+        if r["method"] == "allreduce":
+            assert r["ratio_vs_allreduce"] == 1.0
+        if r["rate"] == "100mbit":
+            assert abs(r["link_mbit_measured"] - 100) <= 10
+    lags = next(r for r in records if r["label"] == "lags-0.01")
+    assert lags["method"] == "lags" and lags["options"] == {"density": 0.01}
+    local = next(r for r in records if r["label"] == "local-sgd")
+    assert local["timing"] == "cycle-mean" and local["cycle"] == 20
+    assert (tmp_path / "network.png").stat().st_size > 0
+    assert "netem" in (tmp_path / "network.md").read_text()
