@@ -17,6 +17,10 @@ How gradcomm computes it:
   its own and sends the other half. After log2 P levels device i holds row i of the result,
   and one `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of
   the buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
+* Every swap is between two devices, i and i ^ 2^j. Over a mesh axis factored into size-2
+  axes they differ in one axis, and the swap can be a two-member all-reduce over it
+  (`exchange="pairwise"`, `_base.exchange`), which gloo runs at full speed both ways; the
+  final gather is then reverse doubling, one exchange per axis. Same bits, same bytes.
 * Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
   devices that hold slices of the pair) sums them, and a second pass combines.
 * For N = P + r (0 < r < P), device P + i first sends its vector to device i, which holds
@@ -31,6 +35,7 @@ How gradcomm computes it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -131,7 +136,7 @@ def _pair(
     other: jax.Array,
     layout: FlatLayout,
     own_is_b: jax.Array | bool = False,
-    group: tuple[_base.AxisName, int, int, jax.Array] | None = None,
+    group: Callable[[jax.Array], jax.Array] | None = None,
     halves: bool = False,
 ) -> Any:
     """AS(a, b) leaf by leaf (eq. 8), where a group of devices may each hold a slice.
@@ -142,21 +147,15 @@ def _pair(
         swapping per-leaf scalars rather than the slices keeps large selects off the path.
       layout: the fused layout.
       own_is_b: whether `own` is the `b` operand.
-      group: None when a and b are whole on this device; else (axis_name, group_size,
-        devices_in_tree, index): aligned groups of `group_size` consecutive devices among
-        the first `devices_in_tree` hold one pair between them.
+      group: None when a and b are whole on this device; else a function from this
+        device's stats to those of every device that holds a slice of the pair, in
+        device order, `(members, 5, leaves)` (`_group_stats`).
       halves: return the result's first and second halves of rows as two arrays.
     """
     ct = _base.compute_dtype(own.dtype)
     stats = _local_stats(own, other, layout, ct)
     stats = jnp.where(own_is_b, stats[_SWAP_STATS], stats)
-    if group is None:
-        members = stats[None]
-    else:
-        axis_name, size, in_tree, index = group
-        gathered = lax.all_gather(stats, axis_name)[:in_tree]
-        grouped = gathered.reshape(in_tree // size, size, *stats.shape)
-        members = lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
+    members = stats[None] if group is None else group(stats)
     coef = _coefficients(_merge_stats(members))
     coef = layout.per_block(jnp.where(own_is_b, coef[_SWAP_COEFFICIENTS], coef).T)
 
@@ -179,41 +178,108 @@ def _bit_reversed(width: int) -> np.ndarray:
     return np.array([int(f"{i:0{width}b}"[::-1], 2) if width else 0 for i in range(1 << width)])
 
 
+def _group_stats(
+    axis_name: _base.AxisName, size: int, in_tree: int, index: jax.Array, pairwise: bool
+) -> Callable[[jax.Array], jax.Array]:
+    """Stats of the aligned group of `size` devices that holds one pair, in device order.
+
+    Over size-2 axes the group spans the pair axes of the distances below `size`, and one
+    all-gather over them collects it; otherwise all devices gather and each picks its group.
+    """
+    if pairwise:
+        axes = tuple(_base.pair_axis(axis_name, 1 << j) for j in range(size.bit_length() - 1))
+        return lambda stats: lax.all_gather(stats, axes[::-1])
+
+    def gather(stats: jax.Array) -> jax.Array:
+        gathered = lax.all_gather(stats, axis_name)[:in_tree]
+        grouped = gathered.reshape(in_tree // size, size, *stats.shape)
+        return lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
+
+    return gather
+
+
+def _with_local(
+    group: Callable[[jax.Array], jax.Array] | None, local_axis: _base.AxisName | None
+) -> Callable[[jax.Array], jax.Array] | None:
+    """The group's stats, also gathered from the devices of `local_axis` (their slices)."""
+    if local_axis is None:
+        return group
+
+    def gather(stats: jax.Array) -> jax.Array:
+        members = stats[None] if group is None else group(stats)
+        every = lax.all_gather(members, local_axis)  # (local, members, 5, leaves)
+        return every.reshape(-1, *every.shape[2:])
+
+    return gather
+
+
 def _adasum_fused(
-    leaves: list[jax.Array], axis_name: _base.AxisName, n: int, index: jax.Array
+    leaves: list[jax.Array],
+    axis_name: _base.AxisName,
+    n: int,
+    index: jax.Array,
+    pairwise: bool,
+    local_axis: _base.AxisName | None = None,
 ) -> list[jax.Array]:
     """Adasum across the axis of same-dtype leaves, fused into one buffer (Algorithm 1).
 
     Level j pairs device i with i ^ 2^j, which differ in bit j. Each device stores its
     rows in the order p -> row i ^ bitreverse(p): at every level the rows it keeps are the
     first half of its buffer and the rows it sends the second half, in the order its
-    partner keeps them; after the last level it holds row i.
+    partner keeps them; after the last level it holds row i. With `pairwise`, every swap
+    and the final gather are `_base.exchange`s over the size-2 axes.
+
+    With `local_axis` (L devices per node), the buffer has L times the rows: a
+    reduce-scatter over the node leaves each local device the node's mean of 1/L of
+    every leaf, the tree runs on those slices with per-leaf statistics gathered over the
+    local devices too, and an all-gather within the node reassembles the result. So
+    each of a node's L devices sends 1/L of the Adasum traffic across nodes.
     """
     in_tree = 1 << (n.bit_length() - 1)
     levels = in_tree.bit_length() - 1
     folded = n - in_tree
-    layout = FlatLayout.of([leaf.shape for leaf in leaves], rows=in_tree)
+    per_node = 1 if local_axis is None else _base.axis_size(local_axis)
+    layout = FlatLayout.of([leaf.shape for leaf in leaves], rows=in_tree * per_node)
     x = layout.pack(leaves, leaves[0].dtype)
+    if local_axis is not None:
+        x = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True) / per_node
     if folded:
         partner = _base.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
-        x = lax.cond(index < folded, lambda: _pair(x, partner, layout), lambda: x)
+        whole = _with_local(None, local_axis)
+        x = lax.cond(index < folded, lambda: _pair(x, partner, layout, group=whole), lambda: x)
     if levels:
         rows = (index % in_tree) ^ jnp.asarray(_bit_reversed(levels), index.dtype)
         own, send = (jnp.take(x, r, axis=0, mode="clip") for r in jnp.split(rows, 2))
     for level in range(levels):
         distance = 1 << level
         own_is_b = (index >> level) & 1 == 1
-        received = _base.ppermute(send, axis_name, [(i, i ^ distance) for i in range(in_tree)])
-        group = (axis_name, 2 * distance, in_tree, index)
+        if pairwise:
+            received = _base.exchange(send, axis_name, distance)
+        else:
+            pairs = [(i, i ^ distance) for i in range(in_tree)]
+            received = _base.ppermute(send, axis_name, pairs)
+        group = _group_stats(axis_name, 2 * distance, in_tree, index, pairwise)
+        group = _with_local(group, local_axis)
         if level + 1 < levels:
             own, send = _pair(own, received, layout, own_is_b, group, halves=True)
         else:
             x = _pair(own, received, layout, own_is_b, group)
-    rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
+    if pairwise:
+        rows = _base.all_gather_pairwise(x[0], axis_name)
+    else:
+        rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
+    if local_axis is not None:
+        rows = _base.all_gather_invariant(rows, local_axis, tiled=True)
     return layout.unpack(rows)
 
 
-def adasum_reduce(tree: Any, axis_name: _base.AxisName = "data") -> Any:
+def adasum_reduce(
+    tree: Any,
+    axis_name: _base.AxisName = "data",
+    *,
+    local_axis: _base.AxisName | None = None,
+    exchange: _base.Exchange = "auto",
+) -> Any:
     """Adasum of each leaf of `tree` across a named axis: the collective behind `adasum`.
 
     Call it inside `jax.shard_map`, `jax.pmap` or `jax.vmap` over `axis_name`. Every device
@@ -223,6 +289,16 @@ def adasum_reduce(tree: Any, axis_name: _base.AxisName = "data") -> Any:
     Args:
       tree: a pytree of floating-point arrays, this device's values.
       axis_name: the mesh axis (or tuple of axes) to combine over.
+      local_axis: optional fast intra-node axis: Adasum of the node means (see `adasum`);
+        each of a node's devices carries 1/L of the traffic across nodes.
+      exchange: how partners swap halves. "permute": `lax.ppermute`, and one
+        `all_gather` at the end. "pairwise": every swap and the final gather (as reverse
+        doubling) are two-member exchanges (a `psum` of the bits over one size-2 axis,
+        less the device's own: the same data bit for bit, the same bytes); needs
+        `axis_name` to be a tuple of size-2 mesh axes (`gradcomm.parallel.pairwise_axes`)
+        or one axis of size 2. "auto": "pairwise" where the axes allow it on CPU devices
+        in several processes (gloo, which runs a swapping `ppermute` at half speed),
+        "permute" elsewhere (GPU, TPU, one process). The result is the same bits.
 
     Returns:
       A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree
@@ -239,13 +315,16 @@ def adasum_reduce(tree: Any, axis_name: _base.AxisName = "data") -> Any:
       Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021:
       eq. 8 (operator), eq. 9 (recursion), Algorithm 1 (ADASUM_RVHDD), section 3.5.
     """
+    _base.check_exchange(exchange)
     _base.check_float_leaves(tree, "adasum")
     n = _base.axis_size(axis_name)
     index = _base.axis_index(axis_name)
+    pairwise = _base.use_pairwise(axis_name, exchange, "adasum")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves]  # empty leaves stay empty
     for ids in _base.dtype_groups(leaves):
-        results = _adasum_fused([leaves[i] for i in ids], axis_name, n, index)
+        group = [leaves[i] for i in ids]
+        results = _adasum_fused(group, axis_name, n, index, pairwise, local_axis)
         for i, result in zip(ids, results, strict=True):
             out[i] = result
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -339,7 +418,10 @@ def orthogonality(
 
 
 def adasum(
-    axis_name: _base.AxisName = "data", *, local_axis: _base.AxisName | None = None
+    axis_name: _base.AxisName = "data",
+    *,
+    local_axis: _base.AxisName | None = None,
+    exchange: _base.Exchange = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Adasum of the incoming updates across devices, leaf by leaf.
 
@@ -353,7 +435,13 @@ def adasum(
         Adasum; with `local_axis`, the axis across nodes.
       local_axis: optional fast intra-node axis. Updates are first averaged over it, then
         combined with Adasum across `axis_name` (Horovod's hierarchical mode; exact since
-        AS(c a, c b) = c AS(a, b)).
+        AS(c a, c b) = c AS(a, b)). The node mean is reduce-scattered, so each of the L
+        devices of a node runs Adasum on 1/L of it and the traffic across nodes is the
+        same as with one device per node.
+      exchange: "auto", "permute" or "pairwise": how partners swap (see
+        `adasum_reduce`). Across CPU processes (gloo), factor the data axis into size-2
+        axes (`gradcomm.parallel.pairwise_axes`) and pass them all as `axis_name`: "auto"
+        then makes every exchange full duplex. The result is the same bits.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AdasumState`.
@@ -376,6 +464,7 @@ def adasum(
       Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021.
     """
     _base.check_axis_name(axis_name)
+    _base.check_exchange(exchange)
     if local_axis is not None:
         _base.check_axis_name(local_axis, "local_axis")
         _base.check_disjoint(axis_name, local_axis, "axis_name", "local_axis")
@@ -389,10 +478,7 @@ def adasum(
     ) -> tuple[Any, AdasumState]:
         del params, extra_args
         _base.check_float_leaves(updates, "adasum")
-        if local_axis is not None:
-            _base.axis_size(local_axis)
-            updates = lax.pmean(updates, local_axis)
-        updates = adasum_reduce(updates, axis_name)
+        updates = adasum_reduce(updates, axis_name, local_axis=local_axis, exchange=exchange)
         return updates, AdasumState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -55,9 +55,19 @@ class DpsgdState(NamedTuple):
 
 def _mix(
     x: list[jax.Array], w: jax.Array, graph: topologies.Topology, count: jax.Array,
-    axis_name: _base.AxisName,
+    axis_name: _base.AxisName, pairwise: bool,
 ) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array]:  # fmt: skip
-    """One PushSum step of the graph's phase for `count`: (kept, received) shares of x and w."""
+    """One PushSum step of the graph's phase for `count`: (kept, received) shares of x and w.
+
+    With `pairwise`, a move that swaps every device i with i ^ d is a two-member exchange
+    (`_base.exchange`, the same bits and bytes); other moves are `ppermute`s.
+    """
+
+    def send(v: jax.Array, move: topologies.Move) -> jax.Array:
+        distance = topologies.swap_distance(move) if pairwise else None
+        if distance is not None:
+            return _base.exchange(v, axis_name, distance)
+        return _base.ppermute(v, axis_name, list(enumerate(move)))
 
     def phase(moves: tuple[topologies.Move, ...]) -> tuple[Any, ...]:
         share = 1.0 / (len(moves) + 1)
@@ -65,10 +75,9 @@ def _mix(
         received = [jnp.zeros_like(v) for v in x]
         received_w = jnp.zeros_like(w)
         for move in moves:
-            perm = list(enumerate(move))
             for j, v in enumerate(kept):
-                received[j] = received[j] + _base.ppermute(v, axis_name, perm)
-            received_w = received_w + _base.ppermute(w * share, axis_name, perm)
+                received[j] = received[j] + send(v, move)
+            received_w = received_w + send(w * share, move)
         return kept, received, w * share, received_w
 
     branches = [functools.partial(phase, moves) for moves in graph.phases]
@@ -112,6 +121,7 @@ def sgp(
     overlap: int = 0,
     biased: bool = False,
     allreduce_steps: int = 0,
+    exchange: _base.Exchange = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic Gradient Push: each device mixes its parameters with a few peers per step.
 
@@ -119,7 +129,7 @@ def sgp(
     `optax.chain(optax.sgd(0.1, momentum=0.9, nesterov=True), gradcomm.sgp("data"))` and
     `gradcomm.parallel.train_step(..., params_per_device=True)`. The params are the
     de-biased z; each step sends one share of `x = w z + update` (and of w) to each of the
-    step's out-peers, in one `ppermute` per peer of the whole model, and returns
+    step's out-peers, in one collective per peer of the whole model, and returns
     `x' / w' - z`.
 
     Args:
@@ -132,6 +142,13 @@ def sgp(
         1-OSGP); unbiased only when nothing is in flight on a doubly stochastic graph.
       allreduce_steps: average exactly (an all-reduce) for the first K steps, then gossip
         (the hybrids of Table 3).
+      exchange: how a move that swaps devices i and i ^ 2^r pairwise is sent (every
+        phase at N = 2, the i + N/2 phase at any N; hypercube phases). "permute": a
+        `ppermute`. "pairwise": a two-member exchange over one size-2 axis, the same
+        bits and bytes, which gloo runs at full speed both ways; needs `axis_name` to be
+        size-2 mesh axes (`gradcomm.parallel.pairwise_axes`). "auto": "pairwise" where the
+        axes allow it on CPU devices in several processes (gloo), else "permute". Other
+        moves are always `ppermute`s. The result is the same bits either way.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `SgpState`.
@@ -155,6 +172,7 @@ def sgp(
       section 2 (PushSum), Algorithm 1, tau-OSGP (section 3, Appendix B), Tables 3-4.
     """
     _base.check_axis_name(axis_name)
+    _base.check_exchange(exchange)
     topologies.check_topology(topology)
     _check_overlap(overlap)
     if (
@@ -181,6 +199,7 @@ def sgp(
         _base.check_float_leaves(updates, "sgp")
         n = _base.axis_size(axis_name)
         graph = topologies.resolve(topology, n)
+        pairwise = _base.use_pairwise(axis_name, exchange, "sgp")
         w = jnp.ones([], jnp.float32) if biased else state.weight
         x = jax.tree.map(
             lambda z, u: (z.astype(jnp.float32) * w + u).astype(z.dtype), params, updates
@@ -188,7 +207,9 @@ def sgp(
         layouts, groups, buffers = _pack(x)
 
         def gossip() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
-            kept, received, kept_w, received_w = _mix(buffers, w, graph, state.count, axis_name)
+            kept, received, kept_w, received_w = _mix(
+                buffers, w, graph, state.count, axis_name, pairwise
+            )
             if overlap:
                 arriving = _pack(jax.tree.map(lambda q: q[0], state.in_flight))[2]
                 mixed = [k + a for k, a in zip(kept, arriving, strict=True)]
@@ -232,7 +253,10 @@ def sgp(
 
 
 def dpsgd(
-    axis_name: _base.AxisName = "data", *, topology: TopologySpec = "exponential-bidirectional"
+    axis_name: _base.AxisName = "data",
+    *,
+    topology: TopologySpec = "exponential-bidirectional",
+    exchange: _base.Exchange = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """D-PSGD (Lian et al., 2017): gossip on a symmetric, doubly stochastic graph, weights 1.
 
@@ -245,6 +269,8 @@ def dpsgd(
       topology: a symmetric topology; the default sends to i + 2^r and i - 2^r at step k
         (r = k mod m), "hypercube" exchanges pairwise with one peer (power-of-two n),
         "ring-bidirectional" is the classic ring.
+      exchange: "auto", "permute" or "pairwise": how pairwise swaps i <-> i ^ 2^r (the
+        i +- N/2 phase, hypercube phases) are sent; see `sgp`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `DpsgdState`.
@@ -266,6 +292,7 @@ def dpsgd(
       NeurIPS 2017, as the baseline of Assran et al., ICML 2019 (sections 5-6).
     """
     _base.check_axis_name(axis_name)
+    _base.check_exchange(exchange)
     topologies.check_topology(topology)
 
     def init_fn(params: Any) -> DpsgdState:
@@ -284,7 +311,8 @@ def dpsgd(
         x = jax.tree.map(jnp.add, params, updates)
         layouts, groups, buffers = _pack(x)
         one = jnp.ones([], jnp.float32)
-        kept, received, _, _ = _mix(buffers, one, graph, state.count, axis_name)
+        pairwise = _base.use_pairwise(axis_name, exchange, "dpsgd")
+        kept, received, _, _ = _mix(buffers, one, graph, state.count, axis_name, pairwise)
         mixed = _unpack(x, layouts, groups, [k + r for k, r in zip(kept, received, strict=True)])
         delta = jax.tree.map(jnp.subtract, mixed, params)
         return delta, DpsgdState(count=optax.safe_increment(state.count))

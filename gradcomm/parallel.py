@@ -52,7 +52,10 @@ def make_mesh(
 
     Args:
       axes: axis name to size, in mesh order; default `{"data": len(devices)}`. A 2-D
-        mesh for hierarchical methods is `{"node": 4, "local": 2}`.
+        mesh for hierarchical methods is `{"node": 4, "local": 2}`; a data axis factored
+        into size-2 axes for pairwise exchanges is `pairwise_axes("data", 8)`, or
+        `{**pairwise_axes("node", 4), "local": 2}` beside a local axis. On CPU and GPU
+        the devices' row-major order does not depend on how the axes are factored.
       devices: the devices, in order; default `jax.devices()` (all processes).
       axis_types: the JAX axis type for every axis.
 
@@ -76,6 +79,44 @@ def make_mesh(
         axis_types=(axis_types,) * len(axes),
         devices=devices,
     )
+
+
+def pairwise_axes(name: str = "data", n: int | None = None) -> dict[str, int]:
+    """Mesh axes of size 2 that together hold `n` data-parallel devices: `name0`, `name1`, ...
+
+    Methods whose exchanges are pairwise swaps (Adasum's halving and gathering, SGP's and
+    D-PSGD's i <-> i ^ 2^r moves) run each swap as a two-member collective over one of
+    these axes when given all of them as `axis_name` (`exchange="auto"` does so on CPU
+    across processes, where gloo runs a swapping `ppermute` at half speed). The device
+    index over the tuple is row-major, `name0` the most significant bit, so device i
+    holds the same place as on the one-axis mesh `{name: n}`: the same batch shard, the
+    same bits.
+
+    Args:
+      name: the prefix of the axis names.
+      n: the number of devices, a power of two; default `jax.device_count()`.
+
+    Returns:
+      `{f"{name}0": 2, f"{name}1": 2, ...}` with log2(n) entries (`{f"{name}0": 1}` for
+      n = 1), to pass to `make_mesh`, alone or beside other axes.
+
+    Example:
+      >>> import jax, gradcomm
+      >>> from gradcomm import parallel
+      >>> axes = parallel.pairwise_axes("data", 4)
+      >>> axes
+      {'data0': 2, 'data1': 2}
+      >>> mesh = parallel.make_mesh(axes, devices=jax.devices()[:4])
+      >>> tx = gradcomm.adasum(tuple(axes))  # swaps over data1, then data0
+      >>> step = parallel.train_step(lambda p, b: (p * b).sum(), tx, mesh)  # all axes
+    """
+    _base.check_axis_name(name, "name")
+    n = jax.device_count() if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"pairwise_axes needs a power-of-two number of devices, got {n!r}")
+    if n == 1:
+        return {f"{name}0": 1}
+    return {f"{name}{j}": 2 for j in range(n.bit_length() - 1)}
 
 
 def _axes(mesh: Mesh, axes: _base.AxisName | None) -> tuple[str, ...]:

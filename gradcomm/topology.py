@@ -89,6 +89,23 @@ class Topology:
         return "\n".join(lines)
 
 
+def swap_distance(move: Move) -> int | None:
+    """d where a move pairs every device i with i XOR d (d a power of two), else None.
+
+    Such a move is a set of pairwise swaps, which `gradcomm.sgp` and `gradcomm.dpsgd` can
+    run as two-member exchanges over a mesh factored into size-2 axes.
+
+    Example:
+      >>> from gradcomm import topology
+      >>> topology.swap_distance((2, 3, 0, 1)), topology.swap_distance((1, 2, 3, 0))
+      (2, None)
+    """
+    d = move[0] if move else 0
+    if d < 1 or d & (d - 1) or any(dest != i ^ d for i, dest in enumerate(move)):
+        return None
+    return d
+
+
 def _check_n(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"the number of devices must be a positive int, got {n!r}")

@@ -316,3 +316,20 @@ def test_unknown_axis_and_non_float_leaf_raise_at_trace_time():
         )
     with pytest.raises(ValueError, match="'local'"):
         run(gradcomm.adasum("data", local_axis="local"), {"w": np.ones((2, 3), np.float32)})
+
+
+def test_hierarchical_sends_one_share_of_the_flat_traffic_across_nodes():
+    """Each of a node's 2 devices carries half of what one device per node would send."""
+    g = np.ones((8, 1 << 16), np.float32)
+
+    def report(axes, tx):
+        mesh = parallel.make_mesh(axes, devices=jax.devices()[: int(np.prod(list(axes.values())))])
+        body = lambda x: tx.update(x[0], tx.init(x[0]))[0]  # noqa: E731
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(tuple(axes)), out_specs=P()))
+        return gradcomm.wire.measure(f, parallel.shard_batch(g[: mesh.size], mesh))
+
+    hierarchical = report({"node": 4, "local": 2}, gradcomm.adasum("node", local_axis="local"))
+    flat = report({"data": 4}, gradcomm.adasum("data"))
+    big = lambda c: c.payload > 1024  # noqa: E731  (not the per-leaf statistics)
+    across = sum(c.sent for c in hierarchical.collectives if c.group_size != 2 and big(c))
+    assert across == sum(c.sent for c in flat.collectives if big(c)) / 2
