@@ -73,12 +73,11 @@ def drop_rate(count: jax.Array, drop_ratio: float, warmup_steps: int) -> jax.Arr
 def _drop_by_threshold(acc: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Algorithm 1, lines 4-7, for a traced count `keep`: (sent, residual), both dense.
 
-    The threshold is the keep-th largest |acc|; entries at least that large are sent (ties at
-    the threshold all go).
+    The threshold is the keep-th largest |acc| (found by bisection on its bits, no sort);
+    entries at least that large are sent (ties at the threshold all go).
     """
-    magnitude = jnp.where(jnp.isfinite(acc), jnp.abs(acc), jnp.inf)
-    threshold = jnp.sort(magnitude)[acc.size - keep]
-    mask = magnitude >= threshold
+    magnitude = sparse.magnitude_bits(acc)
+    mask = magnitude >= sparse.kth_largest(magnitude, keep)
     return jnp.where(mask, acc, 0), jnp.where(mask, 0, acc)
 
 
@@ -89,7 +88,7 @@ def gradient_dropping(
     local: str | None = None,
     average_every: int | None = None,
     warmup_steps: int = 1000,
-    selector: str = "sampled",
+    selector: sparse.Selector = "sampled",
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient dropping with error feedback, optionally combined with the local gradient.
 
@@ -178,39 +177,54 @@ def gradient_dropping(
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         accs = [(residuals[i] + leaves[i]).ravel() for i in ids]
 
-        def steady() -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-            sent = [sparse.topk(a, sparse.num_kept(a.size, 1 - drop_ratio), selector) for a in accs]
-            totals = sparse.sum_sparse(sent, [a.size for a in accs], axis_name)
-            mine = [sparse.densify(v, idx, a.size) for (v, idx), a in zip(sent, accs, strict=True)]
-            kept = [sparse.drop_sent(a, idx) for (_, idx), a in zip(sent, accs, strict=True)]
-            return totals, mine, kept
+        def local_gradient(i: int, dtype: Any) -> jax.Array:
+            return leaves[i].ravel().astype(dtype)
 
-        def warming() -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+        def steady() -> tuple[list[jax.Array], list[jax.Array]]:
+            sent = [sparse.topk(a, sparse.num_kept(a.size, 1 - drop_ratio), selector) for a in accs]
+            sizes = [a.size for a in accs]
+            # G arrives divided by N where nothing is added to it.
+            totals = sparse.sum_sparse(sent, sizes, axis_name, divide_by=None if local else n)
+            combined = []
+            for total, (values, idx), i in zip(totals, sent, ids, strict=True):
+                if local is not None:
+                    lg = local_gradient(i, total.dtype)
+                    c = (total + lg) / n
+                    if local == "compensated":  # (G + (L - S)) / N differs only where S is
+                        patch = (total[idx] + (lg[idx] - values.astype(total.dtype))) / n
+                        c = c.at[idx].set(patch, unique_indices=True)
+                    total = c
+                combined.append(total)
+            kept = [sparse.drop_sent(a, idx) for (_, idx), a in zip(sent, accs, strict=True)]
+            return combined, kept
+
+        def warming() -> tuple[list[jax.Array], list[jax.Array]]:
             rate = drop_rate(state.count, drop_ratio, warmup_steps)
             mine, kept = [], []
             for a in accs:
                 keep = jnp.clip(jnp.round((1 - rate) * a.size), 1, a.size).astype(jnp.int32)
-                s, r = _drop_by_threshold(a, keep)
-                mine.append(s)
-                kept.append(r)
-            ct = [_base.compute_dtype(s.dtype) for s in mine]
-            totals = lax.psum([s.astype(c) for s, c in zip(mine, ct, strict=True)], axis_name)
-            return totals, mine, kept
+                sent, residual = _drop_by_threshold(a, keep)
+                mine.append(sent.astype(_base.compute_dtype(sent.dtype)))
+                kept.append(residual)
+            combined = []
+            for total, sent, i in zip(lax.psum(mine, axis_name), mine, ids, strict=True):
+                if local == "sum":
+                    total = total + local_gradient(i, total.dtype)
+                elif local == "compensated":
+                    total = total + (local_gradient(i, total.dtype) - sent)
+                combined.append(total / n)
+            return combined, kept
 
-        if warmup_steps == 0 or not ids:
-            totals, mine, kept = steady() if ids else ([], [], [])
+        if not ids:
+            combined, kept = [], []
+        elif warmup_steps == 0:
+            combined, kept = steady()
         else:
-            totals, mine, kept = lax.cond(state.count < warmup_steps, warming, steady)
+            combined, kept = lax.cond(state.count < warmup_steps, warming, steady)
 
         out, new_residuals = list(leaves), list(residuals)
         for j, i in enumerate(ids):
-            combined = totals[j]
-            local_gradient = leaves[i].ravel().astype(combined.dtype)
-            if local == "sum":
-                combined = combined + local_gradient
-            elif local == "compensated":
-                combined = combined + (local_gradient - mine[j].astype(combined.dtype))
-            out[i] = (combined / n).astype(leaves[i].dtype).reshape(leaves[i].shape)
+            out[i] = combined[j].astype(leaves[i].dtype).reshape(leaves[i].shape)
             new_residuals[i] = kept[j].reshape(residuals[i].shape)
         new_state = GradientDroppingState(
             count=optax.safe_increment(state.count),

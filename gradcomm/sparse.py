@@ -3,18 +3,24 @@
 Three pieces, shared by every sparse method:
 
 * `topk(x, k, selector)`: exactly k (value, index) pairs of largest magnitude from a flat
-  array. `"exact"` is `lax.top_k` on |x|. `"sampled"` follows the sampled-threshold idea of
-  DGC and Marian, in a form that needs no variable-size compaction (which XLA does slowly
-  on CPU): the sample is each block of b elements' maximum, the threshold is the k-th
-  largest of those maxima, and the refinement is an exact top-k over the k blocks that
-  reach it. Every element of the true top-k lies in a block whose maximum reaches the
-  threshold, so this returns the exact top-k values (ties may pick other indices), at the
-  cost of one pass over x and two small top-k's instead of one top-k over all of x.
-  Non-finite values rank above everything, so they are sent rather than kept.
-* `exchange(values, indices, size, axis_name)`: a fixed-capacity all-gather of every
-  device's (value, index) pairs (one collective, values and indices in one byte buffer;
-  never a variable-size message), decoded by scatter-adds in device order, so every
-  device computes the same bits.
+  array, ties to lower indices. `"exact"` is `lax.top_k` on |x|. `"sampled"` follows the
+  sampled-threshold idea of DGC and Marian, in fixed-size buffers and with no sort (a
+  sort, or a `lax.top_k` with a large k, is slow on a CPU): the sample is each block of
+  b elements' maximum; the k-th largest maximum, to 20 bits, found by bisection on the
+  bits of |x|, lies below the k-th largest element, so the blocks that reach it hold the
+  whole top-k; their elements above it are compacted into a buffer of about 2k, among
+  which bisection finds the exact k-th largest. Where ties or near-ties overflow a
+  buffer (Adam's near-constant first updates, a mostly-zero leaf), that stage keeps
+  exactly the top k by a full bisection instead. The result is the exact top-k with ties
+  to lower indices, the same entries as `"exact"`, for one pass over x plus work in
+  proportion to the number of blocks and to k. Non-finite values rank above everything,
+  so they are sent, not kept.
+* `sum_sparse(sent, sizes, axis_name)`: one fixed-capacity all-gather of every device's
+  (value, index) pairs (values and indices in one byte buffer; never a variable-size
+  message), decoded by scatter-adds in device order, so every device computes the same
+  bits; optionally divided by N on the entries that were sent, which gives the bits of
+  dividing the dense sum without a pass over it. `sum_sparse_segments` decodes one
+  sparse vector over a concatenation of leaves leaf by leaf (SLGS).
 * Error feedback: the residual keeps exactly what was not sent. `residual' = acc - sent`
   is computed as `acc` with the sent entries set to zero, so
   `residual' + sent == acc` bit for bit.
@@ -22,16 +28,20 @@ Three pieces, shared by every sparse method:
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import itertools
+import math
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradcomm import _base
+from gradcomm import _base, _packing
 
-SELECTORS = ("exact", "sampled")
+Selector = Literal["exact", "sampled"]
+SELECTORS: tuple[str, ...] = get_args(Selector)
 
 
 def check_selector(selector: str) -> None:
@@ -58,26 +68,156 @@ def _magnitude(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
 
 
+def magnitude_bits(x: jax.Array) -> jax.Array:
+    """`_magnitude(x)` as signed integers of the same order: int32, or int64 for float64.
+
+    Non-negative floats order like their bit patterns, so thresholds on |x| can be found
+    by bisection on the bits. Narrow floats are widened to float32 first (exactly).
+    """
+    wide = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    itype = jnp.int64 if wide == jnp.float64 else jnp.int32
+    return lax.bitcast_convert_type(_magnitude(x.astype(wide)), itype)
+
+
+def kth_largest(keys: jax.Array, k: jax.Array | int, *, top_bits: int | None = None) -> jax.Array:
+    """The k-th largest of non-negative integer keys (k may be traced), by bisection.
+
+    Args:
+      keys: a 1-D array of `magnitude_bits` (entries below 0 count as absent).
+      k: the rank, 1 <= k <= the number of keys that are >= 0.
+      top_bits: find only the leading bits (after the sign bit) of the k-th largest and
+        zero the rest: a lower bound reached in fewer passes.
+
+    Returns:
+      The largest t with `count(keys >= t) >= k` (among multiples of the dropped bits).
+    """
+    bits = 8 * keys.dtype.itemsize - 1
+    lowest = bits - (top_bits or bits)
+    one = jnp.ones((), keys.dtype)
+    # Counting in float32 (exact below 2^24) lets XLA:CPU fuse the comparison into a
+    # vectorized sum, about twice as fast as an integer count.
+    count_dtype = jnp.float32 if keys.size < 2**24 else jnp.int32
+
+    def step(i: jax.Array, t: jax.Array) -> jax.Array:
+        trial = t | (one << (bits - 1 - i).astype(keys.dtype))
+        count = jnp.sum(jnp.where(keys >= trial, 1, 0).astype(count_dtype))
+        return jnp.where(count >= k, trial, t)
+
+    return lax.fori_loop(0, bits - lowest, step, jnp.zeros_like(keys, shape=()))
+
+
+def _ranks(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For a 1-D mask: how many True entries precede each entry (int32), and the total.
+
+    Counted from 32-bit words of the mask and their population counts: a cumulative sum
+    over every entry is slow on a CPU.
+    """
+    size = mask.shape[0]
+    words = -(-size // 32)
+    flags = jnp.pad(mask, (0, 32 * words - size)).reshape(words, 32)
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    packed = jnp.sum(flags.astype(jnp.uint32) << shifts, axis=1, dtype=jnp.uint32)
+    counts = lax.population_count(packed).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    below = lax.population_count(packed[:, None] & ((jnp.uint32(1) << shifts) - 1))
+    ranks = (starts[:, None] + below.astype(jnp.int32)).reshape(-1)[:size]
+    return ranks, starts[-1] + counts[-1]
+
+
+def _compact(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """The positions of a 1-D mask's True entries, ascending, and how many there are.
+
+    Returns `(positions, count)`: int32 `(capacity,)`, padded with `mask.size` past the
+    count (and cut at `capacity` where the count exceeds it), placed by one scatter.
+    """
+    size = mask.shape[0]
+    ranks, count = _ranks(mask)
+    target = jnp.where(mask, ranks, capacity)
+    positions = (
+        jnp.full(capacity, size, jnp.int32)
+        .at[target]
+        .set(jnp.arange(size, dtype=jnp.int32), mode="drop")
+    )
+    return positions, count
+
+
 def _block_size(size: int, k: int) -> int:
-    """Blocks for the sampled selector: a power of two up to 64 keeping >= 2k blocks."""
-    block = 64
-    while block > 1 and size // block < 2 * k:
-        block //= 2
-    return block
+    """Blocks for the sampled selector: the power of two nearest sqrt(size / k), in [4, 64].
+
+    It balances the two halves of the work: the blocks (size / b of them) and the
+    candidate elements (about k blocks of b).
+    """
+    return max(4, min(64, 2 ** round(math.log2(math.sqrt(size / k)))))
 
 
-def topk(x: jax.Array, k: int, selector: str = "exact") -> tuple[jax.Array, jax.Array]:
+def _sampled_fits(size: int, k: int) -> bool:
+    """Whether the sampled selector pays: a leaf of at least 2^14 (smaller ones take
+    `lax.top_k`, cheap there) with at least 2k blocks."""
+    return size >= 1 << 14 and size // _block_size(size, k) >= 2 * k
+
+
+def _exactly_k(keys: jax.Array, k: int) -> jax.Array:
+    """The mask of the top k keys, ties to lower positions: exactly k entries."""
+    kth = kth_largest(keys, k)
+    above = keys > kth
+    ties = keys == kth
+    return above | (ties & (_ranks(ties)[0] < k - jnp.sum(above, dtype=jnp.int32)))
+
+
+def _superset(keys: jax.Array, k: int, capacity: int) -> jax.Array:
+    """Ascending positions (`capacity`, padded with `keys.size`) that hold the top k keys.
+
+    Usually those at or above the k-th largest key rounded down to 20 bits (found in 19
+    passes); where ties or near-ties make them overflow `capacity`, exactly the top k
+    (ties to lower positions; 31 passes).
+    """
+    floor = kth_largest(keys, k, top_bits=19)
+    positions, count = _compact(keys >= floor, capacity)
+    return lax.cond(
+        count <= capacity, lambda: positions, lambda: _compact(_exactly_k(keys, k), capacity)[0]
+    )
+
+
+def _sampled_indices(x: jax.Array, k: int) -> jax.Array:
+    """The exact top-k indices of `_magnitude(x)`, ties to lower indices, ascending."""
+    size = x.shape[0]
+    block = _block_size(size, k)
+    blocks = size // block
+    grid = x[: blocks * block].reshape(blocks, block)
+    # Block maxima as an elementwise maximum over the b columns: one loop that XLA fuses
+    # with whatever produced x (a reduction would first write x out).
+    maxima = functools.reduce(jnp.maximum, [magnitude_bits(grid[:, j]) for j in range(block)])
+    # Candidate blocks: every top-k element of the whole blocks lies in a block among the
+    # top k maxima. The tail (under b elements, not padded: a pad copies x) always joins.
+    chosen = _superset(maxima, k, min(blocks, k + k // 4 + 256))
+    candidates = jnp.take(grid, chosen, axis=0, mode="fill", fill_value=0)
+    keys = jnp.where((chosen < blocks)[:, None], magnitude_bits(candidates), -1).reshape(-1)
+    index = (chosen[:, None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
+    if blocks * block < size:
+        tail = jnp.arange(blocks * block, size, dtype=jnp.int32)
+        keys = _packing.concatenate([keys, magnitude_bits(x[blocks * block :])])
+        index = _packing.concatenate([index, tail])
+    # Candidate elements above the floor, still in index order; then exactly k of them.
+    picked = _superset(keys, k, min(keys.size, 2 * k + 256))
+    keys = jnp.take(keys, picked, mode="fill", fill_value=-1)
+    index = jnp.take(index, picked, mode="fill", fill_value=0)
+    return jnp.take(index, _compact(_exactly_k(keys, k), k)[0])
+
+
+def topk(x: jax.Array, k: int, selector: Selector = "exact") -> tuple[jax.Array, jax.Array]:
     """The k entries of largest magnitude of a flat array.
 
     Args:
       x: a 1-D array.
       k: how many entries to keep, 1 <= k <= x.size.
       selector: "exact" (`lax.top_k`) or "sampled" (block maxima as the sample, then an
-        exact top-k within the selected blocks: the same values, see the module docstring).
+        exact refinement among the candidates: the same entries, see the module
+        docstring).
 
     Returns:
       `(values, indices)`: `x[indices]` and int32 indices, both of shape `(k,)`. Ties are
-      broken towards lower indices.
+      broken towards lower indices. "exact" orders them by decreasing magnitude;
+      "sampled" in no set order.
 
     Example:
       >>> import jax.numpy as jnp
@@ -90,16 +230,10 @@ def topk(x: jax.Array, k: int, selector: str = "exact") -> tuple[jax.Array, jax.
     size = x.shape[0]
     if not 1 <= k <= size:
         raise ValueError(f"k must be in [1, {size}], got {k}")
-    key = _magnitude(x)
-    block = _block_size(size, k)
-    if selector == "exact" or block < 4:
-        indices = lax.top_k(key, k)[1]
+    if selector == "sampled" and _sampled_fits(size, k):
+        indices = _sampled_indices(x, k)
     else:
-        blocks = jnp.pad(key, (0, -size % block), constant_values=-1).reshape(-1, block)
-        chosen = lax.top_k(blocks.max(1), k)[1]
-        within = lax.top_k(blocks[chosen].reshape(-1), k)[1]
-        indices = chosen[within // block] * block + within % block
-    indices = indices.astype(jnp.int32)
+        indices = lax.top_k(_magnitude(x), k)[1].astype(jnp.int32)
     return x[indices], indices
 
 
@@ -111,8 +245,48 @@ def _from_bytes(data: jax.Array, dtype: np.dtype) -> jax.Array:
     return lax.bitcast_convert_type(data.reshape(n, width // dtype.itemsize, dtype.itemsize), dtype)
 
 
+def _to_bytes(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _scatter_sum(
+    values: jax.Array, indices: jax.Array, size: int, divide_by: int | None, *, clipped: bool
+) -> jax.Array:
+    """Every device's pairs `(n, k)` summed into a dense `(size,)`, in device order.
+
+    With `divide_by`, the entries that were sent are divided by it afterwards: the same
+    bits as dividing the dense sum, without a pass over it. With `clipped`, indices equal
+    to `size` mark pairs that belong elsewhere and are dropped.
+    """
+    ct = _base.compute_dtype(values.dtype)
+    mode = "drop" if clipped else None
+
+    def add(i: int, dense: jax.Array) -> jax.Array:
+        return dense.at[indices[i]].add(values[i].astype(ct), unique_indices=not clipped, mode=mode)
+
+    dense = lax.fori_loop(0, values.shape[0], add, jnp.zeros(size, ct))
+    if divide_by is not None:
+        sent = indices.reshape(-1)  # repeats set equal values
+        dense = dense.at[sent].set(dense[sent] / divide_by, mode=mode)
+    return dense
+
+
+def segment(indices: jax.Array, start: int, size: int) -> jax.Array:
+    """Indices into a concatenation, made relative to the segment `[start, start + size)`.
+
+    Those outside it become `size`, which `.at[...]` with `mode="drop"` skips.
+    """
+    inside = (indices >= start) & (indices < start + size)
+    return jnp.where(inside, indices - start, size)
+
+
 def exchange(
-    values: jax.Array, indices: jax.Array, size: int, axis_name: _base.AxisName
+    values: jax.Array,
+    indices: jax.Array,
+    size: int,
+    axis_name: _base.AxisName,
+    *,
+    divide_by: int | None = None,
 ) -> jax.Array:
     """The sum over devices of sparse vectors given as fixed-capacity (value, index) pairs.
 
@@ -121,29 +295,13 @@ def exchange(
       indices: `(k,)` int32 indices into a vector of `size`, distinct on each device.
       size: the length of the dense vector.
       axis_name: the axis to sum over.
+      divide_by: divide the sum by this (the mean over N devices for N).
 
     Returns:
       The dense `(size,)` sum, accumulated in float32 or wider in device order (the same
       bits on every device) and returned in that dtype.
     """
-    n = _base.axis_size(axis_name)
-    k = values.shape[0]
-    payload = jnp.concatenate(
-        [
-            lax.bitcast_convert_type(values, jnp.uint8).reshape(-1),
-            lax.bitcast_convert_type(indices, jnp.uint8).reshape(-1),
-        ]
-    )
-    gathered = _base.all_gather_invariant(payload, axis_name)  # (n, bytes)
-    split = k * values.dtype.itemsize
-    all_values = _from_bytes(gathered[:, :split], values.dtype)
-    all_indices = _from_bytes(gathered[:, split:], jnp.dtype(jnp.int32))
-    ct = _base.compute_dtype(values.dtype)
-
-    def add(i: int, dense: jax.Array) -> jax.Array:
-        return dense.at[all_indices[i]].add(all_values[i].astype(ct), unique_indices=True)
-
-    return lax.fori_loop(0, n, add, jnp.zeros(size, ct))
+    return sum_sparse([(values, indices)], [size], axis_name, divide_by=divide_by)[0]
 
 
 def sparse_bytes_exceed_dense(size: int, k: int, itemsize: int, n: int) -> bool:
@@ -165,23 +323,44 @@ def densify(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
     return jnp.zeros(size, values.dtype).at[indices].set(values, unique_indices=True)
 
 
+def _gather_pairs(
+    sent: list[tuple[jax.Array, jax.Array]], axis_name: _base.AxisName
+) -> tuple[jax.Array, jax.Array]:
+    """One all-gather of every device's pairs (values of one dtype): `(n, sum k)` each."""
+    dtype = sent[0][0].dtype
+    payload = _packing.concatenate(
+        [_to_bytes(values) for values, _ in sent] + [_to_bytes(indices) for _, indices in sent]
+    )
+    gathered = _base.all_gather_invariant(payload, axis_name)  # (n, bytes)
+    split = sum(values.shape[0] for values, _ in sent) * dtype.itemsize
+    return (
+        _from_bytes(gathered[:, :split], dtype),
+        _from_bytes(gathered[:, split:], jnp.dtype(jnp.int32)),
+    )
+
+
 def sum_sparse(
-    sent: list[tuple[jax.Array, jax.Array]], sizes: list[int], axis_name: _base.AxisName
+    sent: list[tuple[jax.Array, jax.Array]],
+    sizes: list[int],
+    axis_name: _base.AxisName,
+    *,
+    divide_by: int | None = None,
 ) -> list[jax.Array]:
     """The sums over devices of several leaves' sparse vectors, in as few collectives as fit.
 
     Leaves for which (value, index) pairs would outweigh the dense leaf (see
     `sparse_bytes_exceed_dense`) go together through one `psum` of their dense form; all
-    others of one dtype are merged into a single `exchange`, their indices offset into
-    one concatenated vector.
+    others of one dtype share a single all-gather of their pairs, decoded leaf by leaf.
 
     Args:
       sent: per leaf, `(values, indices)` from `topk` on the flattened leaf.
       sizes: per leaf, its number of elements.
       axis_name: the axis to sum over.
+      divide_by: divide the sums by this (N for the mean over N devices); on sparse
+        leaves only the sent entries are divided, which gives the same bits.
 
     Returns:
-      Per leaf, the flat dense sum, in float32 or wider.
+      Per leaf, the flat dense sum (or mean), in float32 or wider.
     """
     n = _base.axis_size(axis_name)
     out: list[jax.Array | None] = [None] * len(sent)
@@ -197,12 +376,53 @@ def sum_sparse(
             for i in dense_ids
         ]
         for i, total in zip(dense_ids, lax.psum(dense, axis_name), strict=True):
-            out[i] = total
+            out[i] = total if divide_by is None else total / divide_by
     for ids in groups.values():
-        offsets = np.cumsum([0] + [sizes[i] for i in ids])
-        values = jnp.concatenate([sent[i][0] for i in ids])
-        indices = jnp.concatenate([sent[i][1] + off for i, off in zip(ids, offsets, strict=False)])
-        total = exchange(values, indices, int(offsets[-1]), axis_name)
-        for i, start, end in zip(ids, offsets[:-1], offsets[1:], strict=True):
-            out[i] = total[start:end]
+        all_values, all_indices = _gather_pairs([sent[i] for i in ids], axis_name)
+        ks = [sent[i][0].shape[0] for i in ids]
+        for i, start, k in zip(ids, np.cumsum([0, *ks]), ks, strict=False):
+            out[i] = _scatter_sum(
+                all_values[:, start : start + k],
+                all_indices[:, start : start + k],
+                sizes[i],
+                divide_by,
+                clipped=False,
+            )
     return out
+
+
+def sum_sparse_segments(
+    sent: tuple[jax.Array, jax.Array],
+    sizes: list[int],
+    axis_name: _base.AxisName,
+    *,
+    divide_by: int | None = None,
+) -> list[jax.Array]:
+    """The sum over devices of one sparse vector over the concatenation of segments.
+
+    Like `sum_sparse` on the concatenation of leaves of `sizes`, with the result decoded
+    segment by segment: every device's pairs are scattered into each segment (pairs
+    outside it dropped), so no model-sized concatenation is written and sliced.
+
+    Args:
+      sent: `(values, indices)` from `topk` on the concatenation.
+      sizes: the segments' sizes, in order.
+      axis_name: the axis to sum over.
+      divide_by: as for `sum_sparse`.
+
+    Returns:
+      Per segment, its flat dense sum (or mean), in float32 or wider.
+    """
+    values = sent[0]
+    n = _base.axis_size(axis_name)
+    starts = np.cumsum([0, *sizes])
+    if sparse_bytes_exceed_dense(int(starts[-1]), values.shape[0], values.dtype.itemsize, n):
+        [flat] = sum_sparse([sent], [int(starts[-1])], axis_name, divide_by=divide_by)
+        return [flat[start:end] for start, end in itertools.pairwise(starts)]
+    all_values, all_indices = _gather_pairs([sent], axis_name)
+    return [
+        _scatter_sum(
+            all_values, segment(all_indices, int(start), size), size, divide_by, clipped=True
+        )
+        for start, size in zip(starts, sizes, strict=False)
+    ]

@@ -9,8 +9,8 @@ per-leaf maxima (eqs. 1-4),
 and the devices average g~. E[g~] = g: the mean is an unbiased estimate of the mean of the
 clipped gradients.
 
-What is sent (`wire="packed"`): the codes, packed in base 3 (20 to a uint32, 1.6 bits
-each), and integer sums of N codes, in [-N, N], packed in base 2N + 1 (about
+What is sent (`wire="packed"`): the codes, packed in base 3 (5 to a byte, 1.6 bits each),
+and integer sums of N codes, in [-N, N], packed in base 2N + 1 into uint32 words (about
 log2(2N + 1) bits each); plus one float per leaf for the shared scales. Two strategies:
 
 * `all_gather` the packed codes and sum them everywhere: (N - 1) * 1.6 bits per element
@@ -27,13 +27,20 @@ authors' code did. The shared scale is rounded up to nmant + 1 - ceil(log2(N + 1
 significant bits, so that every sum of up to N terms +-s is exact in any order; the two
 modes therefore give the same bits, and the estimate stays unbiased (any s >= max|g|
 does).
+
+The random bits are a counter-based hash of each element's index, keyed per device and
+step by `jax.random` (threefry): two rounds of a 32-bit mixer, one vectorized pass, where
+threefry per element costs about ten times as much on a CPU. Each leaf is packed on its
+own, digit-major (`gradcomm._packing`), so that drawing, clipping and packing are one
+pass over the leaf and unpacking one pass over the codes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +50,9 @@ from jax import lax
 
 from gradcomm import _base, _packing
 
-WIRES = ("packed", "all_gather", "all_to_all", "simulate")
+Wire = Literal["packed", "all_gather", "all_to_all", "simulate"]
+WIRES: tuple[str, ...] = get_args(Wire)
+Strategy = Literal["all_gather", "all_to_all"]
 Dense = Sequence[str] | str | int | Callable[[str, jax.Array], bool] | None
 
 
@@ -61,31 +70,67 @@ def _check_clip(clip: float | None) -> None:
         raise ValueError(f"clip must be a positive number (or None for no clipping), got {clip!r}")
 
 
-def _clip(g: jax.Array, clip: float | None) -> jax.Array:
-    """Eq. 21: clips g to [-clip * sigma, clip * sigma]; a leaf with sigma = 0 is left as is.
+def _clip_bound(g: jax.Array, clip: float | None) -> jax.Array:
+    """Eq. 21: the clipping bound `clip * sigma` of a leaf; inf where sigma is 0 or clip None.
 
     sigma is computed on g scaled by an exact power of two, so 1e30 gradients do not
-    overflow it.
+    overflow it. A non-finite sigma (from an inf or NaN in g) also gives inf.
     """
     if clip is None:
-        return g
+        return jnp.asarray(jnp.inf, g.dtype)
     _, inverse = _base.pow2_scale(jnp.max(jnp.abs(g)))
     sigma = jnp.std(g * inverse)
-    bound = jnp.where(sigma > 0, clip * sigma / inverse, jnp.inf)
-    return jnp.clip(g, -bound, bound)
+    return jnp.where(sigma > 0, clip * sigma / inverse, jnp.inf)
 
 
-def _draw(g: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
-    """Eqs. 1 and 3: int8 codes sign(g) * b with b ~ Bernoulli(|g| / scale).
+def _local_scale(g: jax.Array, bound: jax.Array) -> jax.Array:
+    """`max|clip(g, -bound, bound)|`, which is `min(max|g|, bound)`: no pass over the clip.
 
-    Each 32-bit random word gives two elements a 16-bit uniform at the midpoints
-    u = (r + 1/2) / 2^16, so P(b = 1) is |g| / scale rounded to the nearest multiple of
-    2^-16 (off by at most 2^-17), at half the cost of one word per element.
+    An inf or NaN in g gives +inf: the maximum over devices then need not propagate NaN.
     """
-    words = jax.random.bits(key, (-(-g.size // 2),), jnp.uint32)
-    r = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(-1)[: g.size].reshape(g.shape)
-    u = (r.astype(g.dtype) + 0.5) * (scale * 2.0**-16)
-    return jnp.where(u < jnp.abs(g), jnp.sign(g), 0).astype(jnp.int8)  # never for scale 0
+    top = jnp.max(jnp.abs(g), initial=0)
+    return jnp.where(jnp.isfinite(top), jnp.minimum(top, bound), jnp.inf)
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """lowbias32 (C. Wellons, hash-prospector): a bijective uint32 mixer with low bias."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _key_words(key: jax.Array) -> jax.Array:
+    """Two uint32 words from a `jax.random` key (threefry): the key of the element hash."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _random_words(key_words: jax.Array, start: int, size: int) -> jax.Array:
+    """`size` pseudo-random uint32 words for elements `start, start + 1, ...`.
+
+    Counter-based: element e gets `mix(mix(e ^ k0) + k1)`, (k0, k1) = `key_words`, a keyed
+    bijection of the element index (numbered modulo 2^32) evaluated in one vectorized
+    pass; threefry per element costs about ten times as much on a CPU.
+    """
+    index = lax.iota(jnp.uint32, size) + jnp.uint32(start)
+    return _mix(_mix(index ^ key_words[0]) + key_words[1])
+
+
+def _codes(
+    g: jax.Array, bound: jax.Array, scale: jax.Array, key_words: jax.Array, start: int = 0
+) -> jax.Array:
+    """Eqs. 1 and 3: codes sign(g) * b (int32), b ~ Bernoulli(|clip(g)| / scale).
+
+    Each element gets a 23-bit uniform at the midpoints, u = (r + 1/2) / 2^23 (exact in
+    float32), and b = 1 where u < |clip(g)| / scale: P(b = 1) is the ratio rounded to a
+    multiple of 2^-23. A zero scale gives zeros, an infinite one zeros (so 0 * inf = NaN).
+    Elements of the flat `g` are numbered from `start` in the random stream.
+    """
+    r = (_random_words(key_words, start, g.size) >> 9).reshape(g.shape)
+    u = (r.astype(g.dtype) + 0.5) * 2.0**-23
+    ratio = jnp.minimum(jnp.abs(g), bound) / scale
+    return jnp.where(u < ratio, jnp.sign(g), 0).astype(jnp.int32)
 
 
 def _as_key(key: jax.Array) -> jax.Array:
@@ -122,9 +167,10 @@ def ternarize(
     """
     _check_clip(clip)
     _base.check_float_leaves(g, "ternarize")
-    g = _clip(jnp.asarray(g).astype(_base.compute_dtype(g.dtype)), clip)
-    scale = jnp.max(jnp.abs(g), initial=0)
-    return _draw(g, scale, _as_key(key)), scale
+    g = jnp.asarray(g).astype(_base.compute_dtype(g.dtype))
+    bound = _clip_bound(g, clip)
+    scale = _local_scale(g, bound)
+    return _codes(g, bound, scale, _key_words(_as_key(key))).astype(jnp.int8), scale
 
 
 def _round_up_scale(scale: jax.Array, n: int) -> jax.Array:
@@ -142,34 +188,93 @@ def _round_up_scale(scale: jax.Array, n: int) -> jax.Array:
     return jnp.where(normal, rounded, scale)
 
 
-def _strategy(n: int) -> str:
+_PER_BYTE = _packing.values_per_word(3, 8)  # 5 ternary codes to a byte
+
+
+def _strategy(n: int) -> Strategy:
     """The packed exchange that sends fewer bits per element at this axis size."""
-    code_bits = 32 / _packing.values_per_word(3)
+    code_bits = 8 / _PER_BYTE
     sum_bits = 32 / _packing.values_per_word(2 * n + 1)
     gather = (n - 1) * code_bits
     scatter = (n - 1) / n * (code_bits + sum_bits)
     return "all_gather" if gather <= scatter else "all_to_all"
 
 
-def _summed_codes(codes: jax.Array, axis_name: _base.AxisName, n: int, strategy: str) -> jax.Array:
-    """The sum over devices of int8 codes `(M,)`, sent packed: int32 `(M,)`, the same everywhere."""
-    size = codes.shape[0]
-    per_code = _packing.values_per_word(3)
+def _sum_dtype(n: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds sums of n codes offset by n, in [0, 2n]."""
+    return np.dtype(next(t for t in (np.uint8, np.uint16, np.uint32) if 2 * n <= np.iinfo(t).max))
+
+
+def _row_starts(size: int) -> tuple[int, list[int]]:
+    """How a leaf of `size` codes lies in b = ceil(size / 5) bytes, digit-major.
+
+    Digit i of the bytes holds the codes `[start_i, start_i + b)`: `i b` for the first
+    four, and `size - b` for the last, which then repeats the up to 4 codes before it
+    instead of padding (the same codes: they are a function of the element). Leaves too
+    small for that (4 b > size) are padded. Returns `(b, starts)`.
+    """
+    b = -(-size // _PER_BYTE)
+    starts = [i * b for i in range(_PER_BYTE)]
+    if (_PER_BYTE - 1) * b <= size:
+        starts[-1] = size - b
+    return b, starts
+
+
+def _pack_leaf(
+    g: jax.Array, bound: jax.Array, scale: jax.Array, key_words: jax.Array, start: int
+) -> jax.Array:
+    """The codes of one leaf (elements numbered from `start`), 5 to a byte: `(b,)` uint8."""
+    flat = g.ravel()
+    b, starts = _row_starts(flat.size)
+    if starts[-1] + b > flat.size:  # a tiny leaf: pad it
+        flat = jnp.pad(flat, (0, starts[-1] + b - flat.size))
+    rows = [
+        _codes(lax.slice(flat, (s,), (s + b,)), bound, scale, key_words, start + s) + 1
+        for s in starts
+    ]
+    return _packing.pack(rows, 3, jnp.uint8)
+
+
+def _unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
+    """Inverse of `_pack_leaf`'s layout: the digit rows `(b,)` of one leaf to `(size,)`."""
+    b, starts = _row_starts(size)
+    if starts[-1] + b > size:
+        return jnp.concatenate(rows)[:size]
+    return _packing.concatenate([*rows[:-1], rows[-1][(_PER_BYTE - 1) * b - starts[-1] :]])
+
+
+def _code_sums(
+    packed: list[jax.Array], axis_name: _base.AxisName, n: int, strategy: Strategy
+) -> list[list[jax.Array]]:
+    """Per leaf, the digit rows of the sum over devices of its codes plus n: in [0, 2n].
+
+    `packed` holds each leaf's bytes from `_pack_leaf`; they travel together. The sums
+    (unsigned, `_sum_dtype(n)`) are the same on every device. With "all_gather", every
+    device sums every device's bytes; with "all_to_all", device j sums chunk j of every
+    device's bytes and the sums travel in base 2n + 1, in uint32 words.
+    """
+    sum_dtype = _sum_dtype(n)
+    offsets = np.cumsum([0] + [p.size for p in packed])
+    flat = _packing.concatenate(packed)
     if strategy == "all_gather":
-        padded = jnp.pad(codes, (0, -size % per_code))
-        words = _packing.pack((padded + 1).astype(jnp.uint32), 3)
-        gathered = _base.all_gather_invariant(words, axis_name)
-        sums = _packing.unpack(gathered, 3).astype(jnp.int32).sum(0) - n
-        return sums[:size]
+        gathered = _base.all_gather_invariant(flat, axis_name)  # (n, bytes)
+        return [
+            list(_packing.digit_sums(gathered[:, start:end], 3, sum_dtype))
+            for start, end in itertools.pairwise(offsets)
+        ]
     per_sum = _packing.values_per_word(2 * n + 1)
-    chunk = -(-size // n)
-    chunk += -chunk % math.lcm(per_code, per_sum)
-    padded = jnp.pad(codes, (0, n * chunk - size))
-    words = _packing.pack((padded + 1).astype(jnp.uint32), 3)
-    mine = lax.all_to_all(words, axis_name, 0, 0, tiled=True).reshape(n, chunk // per_code)
-    partial = _packing.unpack(mine, 3).sum(0)  # chunk j of every device, offset by n
-    gathered = _base.all_gather_invariant(_packing.pack(partial, 2 * n + 1), axis_name, tiled=True)
-    return _packing.unpack(gathered, 2 * n + 1).astype(jnp.int32)[:size] - n
+    chunk = -(-flat.size // n)  # bytes per device, a whole number of sum words per digit
+    chunk += -chunk % per_sum
+    flat = jnp.pad(flat, (0, n * chunk - flat.size))
+    mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
+    partial = _packing.digit_sums(mine, 3, jnp.uint32)  # chunk j of every device
+    words = _packing.pack(partial.reshape(_PER_BYTE, per_sum, -1), 2 * n + 1)
+    gathered = _base.all_gather_invariant(words, axis_name)  # (n, _PER_BYTE, words)
+    digits = _packing.unpack(gathered, 2 * n + 1, axis=0).astype(sum_dtype)
+    sums = digits.transpose(2, 1, 0, 3).reshape(_PER_BYTE, -1)  # (_PER_BYTE, n * chunk)
+    return [
+        [sums[i, start:end] for i in range(_PER_BYTE)] for start, end in itertools.pairwise(offsets)
+    ]
 
 
 def _ternary_mean(
@@ -178,29 +283,32 @@ def _ternary_mean(
     axis_name: _base.AxisName,
     n: int,
     clip: float | None,
-    wire: str,
+    wire: Wire,
 ) -> list[jax.Array]:
     """The mean over the devices of the ternarized leaves (eqs. 1-4), sent as `wire` says."""
     ct = _base.compute_dtype(jnp.result_type(*leaves))
-    clipped = [_clip(leaf.astype(ct), clip) for leaf in leaves]
-    local = jnp.stack([jnp.max(jnp.abs(g)) for g in clipped])
-    # A max-reduction need not propagate NaN; +inf it does, and an infinite scale makes
-    # every element of the leaf non-finite (0 * inf or +-inf).
-    local = jnp.where(jnp.isfinite(local), local, jnp.inf)
+    gs = [leaf.astype(ct) for leaf in leaves]
+    bounds = [_clip_bound(g, clip) for g in gs]
+    local = jnp.stack([_local_scale(g, b) for g, b in zip(gs, bounds, strict=True)])
     scales = _round_up_scale(lax.pmax(local, axis_name), n)
-    codes = [
-        _draw(g, s, jax.random.fold_in(key, i))
-        for i, (g, s) in enumerate(zip(clipped, scales, strict=True))
-    ]
+    starts = [int(s) for s in np.cumsum([0] + [g.size for g in gs])]
+    key_words = _key_words(key)
     if wire == "simulate":
+        codes = [
+            _codes(g, b, s, key_words, start)
+            for g, b, s, start in zip(gs, bounds, scales, starts, strict=False)
+        ]
         totals = lax.psum([c.astype(ct) * s for c, s in zip(codes, scales, strict=True)], axis_name)
     else:
+        packed = [
+            _pack_leaf(g, b, s, key_words, start)
+            for g, b, s, start in zip(gs, bounds, scales, starts, strict=False)
+        ]
         strategy = _strategy(n) if wire == "packed" else wire
-        sums = _summed_codes(jnp.concatenate([c.ravel() for c in codes]), axis_name, n, strategy)
-        ends = np.cumsum([c.size for c in codes])
+        sums = _code_sums(packed, axis_name, n, strategy)
         totals = [
-            sums[end - c.size : end].reshape(c.shape).astype(ct) * s
-            for end, c, s in zip(ends, codes, scales, strict=True)
+            _unpack_leaf([(r.astype(ct) - n) * s for r in rows], g.size).reshape(g.shape)
+            for rows, g, s in zip(sums, gs, scales, strict=True)
         ]
     return [(t / n).astype(leaf.dtype) for t, leaf in zip(totals, leaves, strict=True)]
 
@@ -238,7 +346,7 @@ def terngrad(
     clip: float | None = 2.5,
     seed: int = 0,
     dense: Dense = None,
-    wire: str = "packed",
+    wire: Wire = "packed",
 ) -> optax.GradientTransformationExtraArgs:
     """TernGrad: averages ternarized gradients over the devices, sending packed ternary codes.
 

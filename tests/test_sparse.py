@@ -104,3 +104,85 @@ def test_sum_sparse_merges_sparse_leaves_and_sends_dense_ones_dense():
 def test_bad_densities(density):
     with pytest.raises(ValueError, match="density"):
         sparse.check_density(density)
+
+
+def sampled_fn(x, k):
+    return sparse.topk(x, k, "sampled")
+
+
+@pytest.mark.parametrize(
+    "case", ["ties", "zeros", "non-finite", "adam-like", "tail", "bfloat16", "negative"]
+)
+def test_sampled_is_the_exact_top_k_with_ties_to_lower_indices(case):
+    """Large leaves take the block-sampled path; it picks the very entries `lax.top_k` does.
+
+    Ties, mostly-zero leaves and near-constant magnitudes (Adam's first updates) overflow
+    its buffers and take the exact fallback; all cases must agree with the reference.
+    """
+    rng = np.random.default_rng(3)
+    size, k = 200_000, 2_000
+    x = rng.standard_normal(size).astype(np.float32)
+    if case == "ties":
+        x = np.round(x * 4) / 4  # a handful of distinct magnitudes
+    elif case == "zeros":
+        x[rng.random(size) < 0.995] = 0  # fewer nonzeros than k: zeros fill in index order
+    elif case == "non-finite":
+        x[[5, 70_000, 199_999]] = [np.nan, np.inf, -np.inf]
+    elif case == "adam-like":
+        x = (1e-3 * np.sign(x) * (1 - np.abs(rng.standard_normal(size)) * 1e-3)).astype(np.float32)
+        x[::7] = 1e-3
+    elif case == "tail":
+        size = 200_003
+        x = rng.standard_normal(size).astype(np.float32)
+        x[-3:] = 50.0  # the largest sit in the incomplete last block
+    elif case == "negative":
+        x = -np.abs(x)
+    if case == "bfloat16":
+        x = jnp.asarray(x, jnp.bfloat16)
+    assert sparse._sampled_fits(size, k)
+    values, idx = jax.jit(sampled_fn, static_argnums=1)(jnp.asarray(x), k)
+    reference_x = np.asarray(x, np.float32)
+    magnitude = np.where(np.isfinite(reference_x), np.abs(reference_x), np.inf)
+    expected = np.argsort(-magnitude, kind="stable")[:k]
+    np.testing.assert_array_equal(np.sort(np.asarray(idx)), np.sort(expected))
+    np.testing.assert_array_equal(np.asarray(values, np.float32), reference_x[np.asarray(idx)])
+
+
+def kth_fn(keys, k):
+    return sparse.kth_largest(keys, k), sparse.kth_largest(keys, k, top_bits=8)
+
+
+@pytest.mark.parametrize("k", [1, 17, 999, 1000])
+def test_kth_largest_by_bisection_with_a_traced_k(k):
+    x = np.random.default_rng(k).standard_normal(1000).astype(np.float32)
+    x[:10] = x[10]  # ties
+    keys = sparse.magnitude_bits(jnp.asarray(x))
+    kth, coarse = jax.jit(kth_fn)(keys, jnp.int32(k))
+    expected = np.sort(np.asarray(keys))[::-1][k - 1]
+    assert int(kth) == expected
+    assert int(coarse) <= expected and int(coarse) == expected & ~((1 << 23) - 1)
+
+
+def test_compact_gives_positions_in_order():
+    mask = np.random.default_rng(0).random(1000) < 0.1
+    positions, count = sparse._compact(jnp.asarray(mask), 150)
+    expected = np.flatnonzero(mask)
+    assert int(count) == expected.size
+    np.testing.assert_array_equal(positions[: expected.size], expected)
+    np.testing.assert_array_equal(positions[expected.size :], 1000)
+    cut, count = sparse._compact(jnp.asarray(mask), 20)  # overflow: the first 20
+    np.testing.assert_array_equal(cut, expected[:20])
+
+
+def mean_fn(values, indices):
+    return sparse.exchange(values, indices, 50, "data", divide_by=3)
+
+
+def test_exchange_divided_on_the_sent_entries_gives_the_bits_of_dividing_the_sum():
+    n = 3
+    rng = np.random.default_rng(9)
+    indices = np.stack([rng.choice(50, 6, replace=False) for _ in range(n)]).astype(np.int32)
+    values = rng.standard_normal((n, 6)).astype(np.float32)
+    total = per_device(exchange_fn, n, values, indices)
+    mean = per_device(mean_fn, n, values, indices)
+    np.testing.assert_array_equal(mean, np.asarray(jnp.asarray(total) / 3))
