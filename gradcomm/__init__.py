@@ -6,7 +6,7 @@ collectives over a named mesh axis. `gradcomm.parallel` builds the sharded train
 `gradcomm.wire` reads the bytes each device sends from the compiled program.
 """
 
-from gradcomm import parallel, sparse, topology, wire
+from gradcomm import parallel, perfmodel, sparse, topology, wire
 from gradcomm.adasum import (
     AdasumState,
     adasum,
@@ -63,6 +63,7 @@ __all__ = [
     "local_sgd",
     "orthogonality",
     "parallel",
+    "perfmodel",
     "sgp",
     "slgs",
     "sparse",

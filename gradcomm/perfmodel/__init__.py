@@ -1,0 +1,80 @@
+"""An alpha-beta model of a training step's time per method, and where each beats all-reduce.
+
+    step = compute + comm - hidden,   comm = sum over the step's collectives of
+           share * factor(kind, n) * (latency * messages + 8 * bytes_sent / bandwidth)
+
+Each method's collectives per step (`pattern`) come from its algorithm, their bytes are
+`gradcomm.wire`'s count, and `factor` is the backend's time against the alpha-beta ideal
+(1 on `NCCL`, measured per pattern on `GLOO`); `hidden` is what overlaps the backward pass
+or, for 1-overlap SGP, the step. `predict` gives one step's time, `crossover_bandwidth` and
+`crossover_table` the link below which each method beats allreduce, `calibrate` and
+`fit_report` fit the model to `experiments/bench_network.py`'s records, and `paper_checks`
+sets five papers' figures beside the model's. Units: bandwidth in Gbit/s, latency and
+times in seconds, model size in parameters. `python -m gradcomm.perfmodel network.json`
+prints the fit, the crossovers and the papers; docs/bench/model.md explains the model.
+
+Example:
+  >>> from gradcomm import perfmodel
+  >>> ar = perfmodel.predict("allreduce", 25_000_000, 16, bandwidth=10.0)
+  >>> round(ar.comm_s, 4)  # 2 (15/16) 100 MB at 10 Gbit/s
+  0.15
+  >>> sgp = perfmodel.predict("sgp", 25_000_000, 16, bandwidth=10.0)
+  >>> round(sgp.comm_s, 4)  # one 100 MB message
+  0.08
+"""
+
+from gradcomm.perfmodel._cli import main
+from gradcomm.perfmodel._crossover import METHODS, crossover_bandwidth, crossover_table
+from gradcomm.perfmodel._fit import (
+    OVERLAP_NOTE,
+    Calibration,
+    FitRow,
+    calibrate,
+    fit_markdown,
+    fit_report,
+    key,
+)
+from gradcomm.perfmodel._model import (
+    BACKWARD,
+    GLOO,
+    GLOO_MEASURED,
+    GLOO_PAIRWISE,
+    NCCL,
+    Backend,
+    Collective,
+    Prediction,
+    Window,
+    pattern,
+    predict,
+    window,
+)
+from gradcomm.perfmodel._papers import PaperCheck, paper_checks, paper_table
+
+__all__ = [
+    "BACKWARD",
+    "GLOO",
+    "GLOO_MEASURED",
+    "GLOO_PAIRWISE",
+    "METHODS",
+    "NCCL",
+    "OVERLAP_NOTE",
+    "Backend",
+    "Calibration",
+    "Collective",
+    "FitRow",
+    "PaperCheck",
+    "Prediction",
+    "Window",
+    "calibrate",
+    "crossover_bandwidth",
+    "crossover_table",
+    "fit_markdown",
+    "fit_report",
+    "key",
+    "main",
+    "paper_checks",
+    "paper_table",
+    "pattern",
+    "predict",
+    "window",
+]

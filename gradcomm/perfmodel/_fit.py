@@ -1,0 +1,283 @@
+"""Calibration from `experiments/bench_network.py`'s records, and the fit, cell by cell."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from gradcomm.perfmodel._model import GLOO, Backend, Prediction, predict
+
+Group = tuple[int, int]  # (nodes, devices per process)
+Record = Mapping[str, Any]  # one network.json record
+
+
+def key(method: str, options: Mapping[str, Any] | None = None) -> str:
+    """A method's identity for calibration: its name and options, warm-up left out."""
+    kept = {k: v for k, v in sorted((options or {}).items()) if k != "warmup_steps"}
+    return method + (json.dumps(kept) if kept else "")
+
+
+def _group(r: Record) -> Group:
+    return r["nodes"], r.get("devices_per_process", 1)
+
+
+def _itemsize(r: Record) -> int:
+    return r["param_bytes"] // r["params"]
+
+
+def _gbps(r: Record) -> float | None:
+    """A record's link in Gbit/s (the measured rate where there is one); None if unshaped."""
+    if r.get("rate_mbit") is None:
+        return None
+    return (r.get("link_mbit_measured") or r["rate_mbit"]) / 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What `calibrate` fitted.
+
+    Attributes:
+      backend: the backend, with allreduce's factors refitted to the shaped cells.
+      base_s: (nodes, devices per process) -> the allreduce step's compute, in seconds.
+      cost_per_byte: `key(method, options)` -> extra compute per model byte, in seconds.
+      unshaped_gbps: nodes -> an unshaped link's effective bandwidth (inf: no cost seen).
+      params, itemsize: the benchmark model's.
+    """
+
+    backend: Backend
+    base_s: Mapping[Group, float]
+    cost_per_byte: Mapping[str, float]
+    unshaped_gbps: Mapping[int, float]
+    params: int
+    itemsize: int = 4
+
+    def settings(
+        self, method: str, options: Mapping[str, Any] | None, nodes: int, per_process: int = 1
+    ) -> dict[str, Any]:
+        """`predict` keyword arguments for a method on the calibrated machine.
+
+        The compute is the calibrated one of the nearest node count measured.
+        """
+        near = min(self.base_s, key=lambda g: (g[1] != per_process, abs(g[0] - nodes)))
+        return {
+            "backend": self.backend,
+            "compute_s": self.base_s[near],
+            "cost_per_byte": self.cost_per_byte.get(key(method, options), 0.0),
+            "itemsize": self.itemsize,
+        }
+
+    def predict_record(self, r: Record, method: str | None = None) -> Prediction:
+        """The model's step for a network.json record, or its allreduce's (`"allreduce"`)."""
+        m, o = (method, None) if method else (r["method"], r.get("options"))
+        gbps = _gbps(r) or self.unshaped_gbps.get(r["nodes"], math.inf)
+        kw = self.settings(m, o, *_group(r)) | {"compute_s": self.base_s[_group(r)]}
+        amortize = r.get("timing") != "median"
+        return predict(m, r["params"], r["nodes"], gbps, options=o, amortize=amortize, **kw)
+
+
+def _fit_unshaped(
+    rec: Sequence[Record], backend: Backend
+) -> tuple[dict[Group, float], dict[int, float], dict[str, float]]:
+    """Least squares over unshaped cells: compute per group, 1 / bandwidth per N, extras."""
+    rows: list[tuple[Group, str | None, float, float]] = []  # group, key, step, comm at 1 Gbit/s
+    for r in (r for r in rec if _gbps(r) is None):
+        kw = {"backend": backend, "itemsize": _itemsize(r)}
+        ar = predict("allreduce", r["params"], r["nodes"], 1.0, **kw)
+        rows.append((_group(r), None, r["allreduce_step_s"], ar.comm_s))
+        if r["method"] != "allreduce":
+            kw |= {"options": r.get("options"), "amortize": r.get("timing") != "median"}
+            p = predict(r["method"], r["params"], r["nodes"], 1.0, **kw)
+            rows.append((_group(r), key(r["method"], r.get("options")), r["step_s"], p.comm_s))
+    if not rows:
+        return {}, {}, {}
+    groups = sorted({g for g, *_ in rows})
+    keys = sorted({k for _, k, _, _ in rows if k})
+    links = sorted({n for n, _ in groups})
+    inverse = dict.fromkeys(links, 0.0)
+    y = np.array([t for _, _, t, _ in rows])
+    while True:  # drop the link terms that come out negative, and refit
+        a = np.zeros((len(rows), len(groups) + len(links) + len(keys)))
+        for i, (g, k, _, c) in enumerate(rows):
+            a[i, groups.index(g)] = 1.0
+            if g[0] in links:
+                a[i, len(groups) + links.index(g[0])] = c
+            if k:
+                a[i, len(groups) + len(links) + keys.index(k)] = 1.0
+        x = np.linalg.lstsq(a / y[:, None], np.ones(len(rows)), rcond=None)[0]
+        base, x = x[: len(groups)], x[len(groups) :]
+        fitted = {n: float(v) for n, v in zip(links, x, strict=False)}
+        if all(v >= 0 for v in fitted.values()):
+            extra = {k: float(v) for k, v in zip(keys, x[len(links) :], strict=True)}
+            base_s = {g: max(float(v), 0.0) for g, v in zip(groups, base, strict=True)}
+            return base_s, inverse | fitted, extra
+        links = [n for n in links if fitted[n] >= 0]
+
+
+def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibration:
+    """Fits the model's free numbers to network.json records.
+
+    From the unshaped cells, by least squares on relative error: the allreduce step's
+    compute per (nodes, devices per process), an unshaped link's effective bandwidth per
+    node count (a link term that comes out negative is dropped), and one extra compute
+    cost per method and options, the same at every node count. From the shaped cells:
+    allreduce's pattern factor per node count, the median of (allreduce step - compute) /
+    ideal ring time; where a group has no unshaped cell, its compute is the intercept of a
+    line through its shaped allreduce steps (or, at a single rate, what the pattern table
+    leaves). Every other pattern factor is the backend's (for gloo, `GLOO_MEASURED`).
+    Nothing is fitted per cell.
+
+    Args:
+      records: network.json records (see docs/bench/model.md for the fields used).
+      backend: the backend the benchmark ran, `GLOO` or `GLOO_PAIRWISE`.
+
+    Returns:
+      A `Calibration`.
+
+    Example:
+      >>> from gradcomm import perfmodel
+      >>> cell = {"method": "allreduce", "nodes": 2, "params": 4_194_304,
+      ...         "param_bytes": 16_777_216, "rate_mbit": 100.0, "link_mbit_measured": 95.8}
+      >>> cal = perfmodel.calibrate([cell | {"step_s": 1.51, "allreduce_step_s": 1.51}])
+      >>> round(cal.backend.factor("allreduce", 2), 2)  # all compute taken as 0
+      1.08
+    """
+    rec = [r for r in records if r.get("step_s") is not None]
+    shaped: dict[Group, list[tuple[float, float]]] = {}  # group: (step, ideal comm)
+    for r in rec:
+        if (gbps := _gbps(r)) is not None:
+            ideal = predict("allreduce", r["params"], r["nodes"], gbps, itemsize=_itemsize(r))
+            shaped.setdefault(_group(r), []).append((r["allreduce_step_s"], ideal.comm_s))
+    fitted = backend
+    for _ in range(3):  # the unshaped fit uses allreduce's refitted factors: iterate
+        base, inverse, extra = _fit_unshaped(rec, fitted)
+        for g, obs in shaped.items():
+            if g in base:
+                continue
+            steps, ideal = np.array(obs).T
+            if len(set(ideal)) > 1:  # no unshaped cell: a line through the shaped allreduce
+                base[g] = max(float(np.polyfit(ideal, steps, 1)[1]), 0.0)
+            else:  # one rate: what the pattern table's factor leaves
+                f = backend.factor("allreduce", g[0])
+                base[g] = max(statistics.median(t - f * c for t, c in obs), 0.0)
+        factors = dict(backend.factors)
+        for n in sorted({n for n, _ in shaped}):
+            ratios = [(t - base[g]) / c for g in shaped if g[0] == n for t, c in shaped[g] if c]
+            factors[("allreduce", n)] = statistics.median(ratios)
+        fitted = dataclasses.replace(backend, factors=factors)
+    first = rec[0] if rec else {"params": 1, "param_bytes": 4}
+    return Calibration(
+        fitted,
+        base,
+        {k: v / first["param_bytes"] for k, v in extra.items()},
+        {n: 1 / v if v > 0 else math.inf for n, v in inverse.items()},
+        first["params"],
+        _itemsize(first),
+    )
+
+
+class FitRow(NamedTuple):
+    """One cell beside the model: the error is on the ratio to allreduce (allreduce: seconds)."""
+
+    label: str
+    nodes: int
+    rate: str
+    measured_s: float
+    predicted_s: float
+    measured_ratio: float
+    predicted_ratio: float
+    comm_share: float
+    bound: Literal["bandwidth", "compute"]
+    error: float
+    tolerance: float
+    ok: bool
+
+
+def _spread(runs: Sequence[float | None] | None) -> float:
+    """(max - min) / median over runs; 0 for fewer than two."""
+    v = [x for x in runs or [] if x is not None]
+    return (max(v) - min(v)) / statistics.median(v) if len(v) > 1 else 0.0
+
+
+def fit_report(records: Sequence[Record], calibration: Calibration) -> list[FitRow]:
+    """Every cell against the model: the model's fit error, cell by cell.
+
+    A shaped cell whose predicted exposed communication is at least half its step is
+    "bandwidth" bound and must be within 15%; every other cell within the larger of 15%
+    and the spread between its runs, (max - min) / median of `ratio_runs` (allreduce:
+    `step_s_runs`).
+
+    Args:
+      records: network.json records.
+      calibration: from `calibrate`.
+
+    Returns:
+      A `FitRow` per record; `fit_markdown` prints them.
+    """
+    out = []
+    for r in (r for r in records if r.get("step_s") is not None):
+        p, ar = calibration.predict_record(r), calibration.predict_record(r, "allreduce")
+        exposed = p.comm_s - p.hidden_s
+        bound = "bandwidth" if _gbps(r) and exposed >= p.step_s / 2 else "compute"
+        measured = r.get("ratio_vs_allreduce") or r["step_s"] / r["allreduce_step_s"]
+        if r["method"] == "allreduce":
+            error, runs = p.step_s / r["step_s"] - 1, r.get("step_s_runs")
+        else:
+            error, runs = p.step_s / ar.step_s / measured - 1, r.get("ratio_runs")
+        tolerance = 0.15 if bound == "bandwidth" else max(0.15, _spread(runs))
+        label = r.get("label") or key(r["method"], r.get("options"))
+        out.append(
+            FitRow(
+                label,
+                r["nodes"],
+                r.get("rate", "?"),
+                r["step_s"],
+                p.step_s,
+                measured,
+                p.step_s / ar.step_s,
+                exposed / p.step_s,
+                bound,
+                error,
+                tolerance,
+                abs(error) <= tolerance,
+            )
+        )
+    return out
+
+
+OVERLAP_NOTE = (
+    "Overlap is 0 on this CPU path: every collective runs after the backward pass, so osgp "
+    "shows no gain over sgp here; on a GPU its message would hide behind the next step's "
+    "compute. netem is unavailable: links add no delay, so latency is 0."
+)
+
+
+def fit_markdown(rows: Sequence[FitRow]) -> str:
+    """The fit as a Markdown table, with the largest error of each kind of cell."""
+    lines = [
+        "| method | nodes | link | measured s | model s | measured / allreduce "
+        "| model / allreduce | error | bound | within |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for f in rows:
+        ok = "yes" if f.ok else f"no (tolerance {f.tolerance:.0%})"
+        lines.append(
+            f"| {f.label} | {f.nodes} | {f.rate} | {f.measured_s:.3f} | {f.predicted_s:.3f} "
+            f"| {f.measured_ratio:.2f} | {f.predicted_ratio:.2f} | {f.error:+.0%} | {f.bound} "
+            f"| {ok} |"
+        )
+    lines.append("")
+    for bound in ("bandwidth", "compute"):
+        errors = [abs(f.error) for f in rows if f.bound == bound]
+        if errors:
+            ok = sum(f.ok for f in rows if f.bound == bound)
+            lines.append(
+                f"{bound}-bound cells: {len(errors)}, largest error {max(errors):.0%}, "
+                f"{ok} within tolerance."
+            )
+    return "\n".join([*lines, "", OVERLAP_NOTE, ""])

@@ -1,0 +1,461 @@
+"""The alpha-beta step-time model: hand-computed cases, wire bytes, calibration, the papers."""
+
+import dataclasses
+import doctest
+import importlib
+import json
+import math
+import pathlib
+import pkgutil
+import re
+import subprocess
+import sys
+
+import pytest
+
+import gradcomm
+from gradcomm import perfmodel as pm
+from gradcomm import topology
+from gradcomm.perfmodel._model import _phases, _values_per_word
+
+ROOT = pathlib.Path(__file__).parent.parent
+P = 4_194_304  # the network benchmark's MLP
+S = 4 * P  # 16 MiB
+LINK = 0.0958  # Gbit/s: the shaped 100 Mbit link as measured
+ONE_WAY = 8 * S / (LINK * 1e9)  # 1.40 s
+
+
+def test_docstring_examples_run():
+    # Every module of the package: doctest finds an object only in the module defining it.
+    names = [pm.__name__] + [f"{pm.__name__}.{m.name}" for m in pkgutil.iter_modules(pm.__path__)]
+    attempted = 0
+    for name in names:
+        result = doctest.testmod(
+            importlib.import_module(name), optionflags=doctest.NORMALIZE_WHITESPACE
+        )
+        assert result.failed == 0, name
+        attempted += result.attempted
+    assert attempted >= 8
+
+
+def test_exported():
+    assert gradcomm.perfmodel is pm
+    assert "perfmodel" in gradcomm.__all__
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+def test_allreduce_by_hand():
+    # 25M float32 parameters = 100 MB; ring: 2 (15/16) 100 MB = 187.5 MB = 1.5 Gbit.
+    p = pm.predict("allreduce", 25_000_000, 16, 10.0)
+    assert p.comm_s == pytest.approx(0.15)
+    assert p.wire_bytes == pytest.approx(187.5e6)
+    # 2 (N - 1) = 30 messages of 10 us each.
+    assert pm.predict("allreduce", 25_000_000, 16, 10.0, 1e-5).comm_s == pytest.approx(0.1503)
+    # On NCCL the all-reduce hides behind the backward pass, 2/3 of the compute.
+    p = pm.predict("allreduce", 25_000_000, 16, 10.0, compute_s=0.15)
+    assert (p.hidden_s, p.step_s) == pytest.approx((0.1, 0.2))
+    # On gloo nothing hides, and the measured factor applies: 2.18 s / 2.10 s at N = 4.
+    p = pm.predict("allreduce", P, 4, LINK, backend=pm.GLOO, compute_s=0.15)
+    assert p.comm_s == pytest.approx(2.18, rel=1e-3)
+    assert p.step_s == pytest.approx(2.33, rel=1e-3)
+
+
+def test_gloo_factors_are_the_measured_table():
+    assert pm.GLOO.swap_factor == pytest.approx(2.80 / ONE_WAY)
+    assert pm.GLOO.factor("allgather", 2) == pytest.approx(1.06 / (ONE_WAY / 2))
+    assert pm.GLOO.factor("allgather", 8) == pm.GLOO.factor("allgather", 4)  # largest below
+    assert pm.GLOO.factor("allreduce", 3) == pm.GLOO.factor("allreduce", 2)
+    assert pm.GLOO.factor("unknown", 4) == 1.0
+    assert pm.GLOO_PAIRWISE.factor("swap", 2) == pytest.approx(0.75 / (ONE_WAY / 2))
+    assert pm.NCCL.factor("swap", 2) == pm.NCCL.factor("alltoall", 64) == 1.0
+    # Each measured pattern comes back from the model as measured.
+    for (kind, n), seconds in pm.GLOO_MEASURED.items():
+        coll = pm.Collective(kind, n, S)
+        assert pm.GLOO.factor(kind, n) * coll.seconds(LINK) == pytest.approx(seconds)
+
+
+def test_gossip_on_gloo_by_hand():
+    # N = 2: the peer i + 1 is a swap, 2.80 s; the push-sum weight adds 4 bytes.
+    assert pm.predict("sgp", P, 2, LINK, backend=pm.GLOO).comm_s == pytest.approx(2.80, 1e-5)
+    # N = 4: shifts 1 (a ring shift, 1.53 s) and 2 (a swap, 2.80 s) alternate.
+    assert pm.predict("sgp", P, 4, LINK, backend=pm.GLOO).comm_s == pytest.approx(2.165, 1e-5)
+    # D-PSGD at N = 4: phase 0 sends i + 1 and i - 1 (two ring shifts), phase 1 i + 2 (a swap).
+    assert pm.predict("dpsgd", P, 4, LINK, backend=pm.GLOO).comm_s == pytest.approx(
+        (2 * 1.53 + 2.80) / 2, 1e-5
+    )
+    # Pairwise reduce-scatters take the swap penalty away: 0.75 s per half.
+    pairwise = pm.predict("sgp", P, 2, LINK, backend=pm.GLOO_PAIRWISE).comm_s
+    assert pairwise == pytest.approx(2 * 0.75, 1e-5)
+
+
+def test_adasum_by_hand():
+    # N = 2 on gloo: a swap of S/2 (1.40 s) and an all-gather with output S (1.06 s).
+    assert pm.predict("adasum", P, 2, LINK, backend=pm.GLOO).comm_s == pytest.approx(2.46)
+    assert pm.predict("adasum", P, 2, LINK, backend=pm.GLOO_PAIRWISE).comm_s == pytest.approx(
+        0.75 + 1.06
+    )
+    # N = 4: swaps of S/2 and S/4 (at 2.80 s per S), then the all-gather (1.14 s).
+    assert pm.predict("adasum", P, 4, LINK, backend=pm.GLOO).comm_s == pytest.approx(
+        0.75 * 2.80 + 1.14, rel=1e-3
+    )
+    # Bytes are a ring all-reduce's for powers of two (README: 7/8 + 7/8 at N = 8).
+    for n in (2, 4, 8, 16):
+        adasum = pm.predict("adasum", 1000, n, 1.0).wire_bytes
+        assert adasum == pytest.approx(pm.predict("allreduce", 1000, n, 1.0).wire_bytes)
+    # N = 6: device 4 + i folds into i (a model-sized permute), then the tree of 4.
+    kinds = [c.kind for c in pm.pattern("adasum", 1000, 6)]
+    assert kinds == ["permute", "swap", "allgather", "swap", "allgather", "allgather"]
+    # With S = 4000 bytes: 4000 (fold) + 2000 + 1000 (swaps) + (5/6) 6000 (all-gather).
+    assert pm.predict("adasum", 1000, 6, 1.0).wire_bytes == pytest.approx(12000)
+
+
+@pytest.mark.parametrize(("n", "ratio"), [(2, 20.0), (4, 13.3), (8, 10.4), (16, 9.2)])
+def test_terngrad_bytes_match_the_readme(n, ratio):
+    # README, "TernGrad: bytes on the wire": psum / terngrad bytes read from the HLO.
+    psum = pm.predict("allreduce", 1_200_000, n, 1.0).wire_bytes
+    assert psum / pm.predict("terngrad", 1_200_000, n, 1.0).wire_bytes == pytest.approx(
+        ratio, abs=0.05
+    )
+    expected = ["allreduce", "allgather"] if n <= 2 else ["allreduce", "alltoall", "allgather"]
+    assert [c.kind for c in pm.pattern("terngrad", 1000, n)] == expected
+
+
+def test_values_per_word_by_brute_force():
+    for base in range(3, 70):
+        k = max(k for k in range(1, 33) if base**k <= 2**32)
+        assert _values_per_word(base) == k
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sparse_bytes_match_the_readme(n):
+    d = 1_200_000
+    psum = pm.predict("allreduce", d, n, 1.0).wire_bytes
+    # LAGS at density 0.001: d / (N k) = 1000 / N fewer bytes (124.9x at N = 8 with padding).
+    lags = pm.predict("lags", d, n, 1.0, options={"density": 0.001})
+    assert lags.wire_bytes == pytest.approx((n - 1) * 1200 * 8)
+    assert psum / lags.wire_bytes == pytest.approx(1000 / n)
+    # Gradient dropping at 99%: 100 / N (25x at 4, 12.5x at 8).
+    assert psum / pm.predict("gradient_dropping", d, n, 1.0).wire_bytes == pytest.approx(100 / n)
+    # With local gradients averaged every 50 steps: the dense psum / 50 on top.
+    local = pm.predict(
+        "gradient_dropping", d, n, 1.0, options={"local": "compensated", "average_every": 50}
+    )
+    assert local.wire_bytes == pytest.approx(psum * n / 100 + psum / 50)
+
+
+def test_sgp_bytes_match_the_readme():
+    # One model-sized message whatever N is: SGP / psum = 1.000, 0.667, 0.571, 0.533.
+    for n, ratio in [(2, 1.0), (4, 0.667), (8, 0.571), (16, 0.533)]:
+        sgp = pm.predict("sgp", 1_205_608, n, 1.0).wire_bytes
+        assert sgp == 4 * 1_205_608 + 4
+        assert sgp / pm.predict("allreduce", 1_205_608, n, 1.0).wire_bytes == pytest.approx(
+            ratio, abs=1e-3
+        )
+    # D-PSGD: two messages where i + s and i - s differ (averaged over phases here).
+    assert pm.predict("dpsgd", 1000, 8, 1.0).wire_bytes == pytest.approx(4004 * (2 + 2 + 1) / 3)
+    hypercube = pm.predict("dpsgd", 1000, 8, 1.0, options={"topology": "hypercube"})
+    assert hypercube.wire_bytes == pytest.approx(4004)
+
+
+GRAPHS = ["exponential", "exponential-bidirectional", "ring-bidirectional", "ring", "hypercube"]
+
+
+@pytest.mark.parametrize(
+    ("name", "n"),
+    [(g, n) for g in GRAPHS for n in range(1, 17) if g != "hypercube" or not n & (n - 1)],
+)
+def test_gossip_phases_match_gradcomm_topology(name, n):
+    graph = topology.resolve(name, n)
+    phases = _phases(name, n) if n > 1 else []
+    if n == 1:
+        assert pm.pattern("sgp", 1000, 1, options={"topology": name}) == []
+        return
+    assert len(phases) == graph.num_phases
+    for kinds, moves in zip(phases, graph.phases, strict=True):
+        swaps = ["swap" if all(m[m[i]] == i for i in range(n)) else "permute" for m in moves]
+        assert kinds == swaps
+
+
+def test_local_sgd_and_amortizing():
+    every = pm.predict("local_sgd", P, 4, 1.0, options={"every": 20})
+    assert every.wire_bytes == pytest.approx(pm.predict("allreduce", P, 4, 1.0).wire_bytes / 20)
+    assert pm.predict("local_sgd", P, 4, 1.0, amortize=False).comm_s == 0.0
+    with pytest.raises(ValueError, match="unknown method"):
+        pm.pattern("psum", 10, 2)
+    with pytest.raises(ValueError, match="unknown topology"):
+        pm.pattern("sgp", 10, 2, options={"topology": "torus"})
+
+
+def test_overlap():
+    args = ("sgp", 25_000_000, 16, 10.0)
+    # NCCL: 1-overlap SGP hides its 0.08 s message behind the step; SGP hides nothing.
+    osgp = pm.predict(*args, options={"overlap": 1}, compute_s=0.2)
+    sgp = pm.predict(*args, compute_s=0.2)
+    assert (osgp.step_s, sgp.step_s) == pytest.approx((0.2, 0.28), abs=1e-4)
+    # gloo (this CPU path): every collective runs after the backward pass; osgp = sgp.
+    gloo = {"backend": pm.GLOO, "compute_s": 0.2}
+    assert pm.predict(*args, options={"overlap": 1}, **gloo) == pm.predict(*args, **gloo)
+    # LAGS hides behind the backward pass, SLGS does not.
+    lags = pm.predict("lags", 25_000_000, 16, 0.8, options={"density": 0.01}, compute_s=0.3)
+    slgs = pm.predict("slgs", 25_000_000, 16, 0.8, options={"density": 0.01}, compute_s=0.3)
+    assert lags.comm_s == slgs.comm_s == pytest.approx(0.3)  # 15 x 250k x 8 B at 0.8 Gbit/s
+    assert (lags.step_s, slgs.step_s) == pytest.approx((0.4, 0.6))
+    assert pm.window("sgp", {"overlap": 2}) == "step"
+    assert pm.window("slgs") == pm.window("local_sgd") == "none"
+    # Extra compute per byte adds to the compute, not to the window.
+    p = pm.predict("terngrad", 1000, 2, 1.0, compute_s=0.1, cost_per_byte=1e-6)
+    assert p.compute_s == pytest.approx(0.104)
+
+
+def test_crossover_by_hand():
+    # LAGS at density 0.001 with 0.1 s of extra compute: the all-reduce exposes
+    # 1.5 / B - (2/3) 0.1 s, which equals 0.1 s at B = 9 Gbit/s; LAGS's 3 MB hide.
+    kw = {"compute_s": 0.1, "cost_per_byte": 1e-9}
+    assert pm.crossover_bandwidth("lags", 25_000_000, 16, **kw) == pytest.approx(9.0, rel=1e-6)
+    # Without extra compute LAGS only ties once the all-reduce hides: 1.5 / B = 0.0667.
+    b = pm.crossover_bandwidth("lags", 25_000_000, 16, compute_s=0.1)
+    assert b == pytest.approx(22.5, rel=1e-6)
+    # Never: D-PSGD at N = 2 on gloo swaps the whole model (2.80 s against 1.57 s).
+    assert pm.crossover_bandwidth("dpsgd", P, 2, backend=pm.GLOO) is None
+    # Always: local SGD sends a twentieth and computes no more.
+    assert pm.crossover_bandwidth("local_sgd", P, 4, backend=pm.GLOO) == math.inf
+    assert pm.crossover_bandwidth("allreduce", P, 4) is None
+
+
+def test_crossover_table():
+    table = pm.crossover_table(25_000_000, 16, 0.2)
+    lines = table.strip().splitlines()
+    assert lines[0] == "| method | beats allreduce below | 1 Gbit/s | 10 Gbit/s | 100 Gbit/s |"
+    assert len(lines) == 2 + len(pm.METHODS)
+    assert "| allreduce | - | 1.00x | 1.00x | 1.00x |" in lines
+    assert any(line.startswith("| adasum | no crossover |") for line in lines)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+TRUTH = pm.Calibration(
+    backend=pm.GLOO,
+    base_s={(2, 1): 0.045, (4, 1): 0.08},
+    cost_per_byte={
+        pm.key("lags", {"density": 0.01}): 0.05 / S,
+        pm.key("terngrad"): 0.07 / S,
+        pm.key("sgp"): 0.01 / S,
+        pm.key("local_sgd"): 0.02 / S,
+    },
+    unshaped_gbps={2: 8.0, 4: 2.5},
+    params=P,
+)
+
+
+def simulate(truth, nodes=(2, 4), rates=(None, 100.0, 1000.0), methods=pm.METHODS):
+    """network.json records as the model would measure them."""
+    out = []
+    for n in nodes:
+        for rate in rates:
+            gbps = truth.unshaped_gbps[n] if rate is None else rate / 1000
+            steps = {
+                label: pm.predict(m, P, n, gbps, options=o, **truth.settings(m, o, n)).step_s
+                for label, m, o in methods
+            }
+            for label, m, o in methods:
+                periodic = m in ("local_sgd", "sgp", "dpsgd") or "average_every" in o
+                out.append(
+                    {
+                        "method": m,
+                        "options": dict(o),
+                        "label": label,
+                        "nodes": n,
+                        "devices_per_process": 1,
+                        "rate": "unshaped" if rate is None else f"{rate:g}mbit",
+                        "rate_mbit": rate,
+                        "link_mbit_measured": rate,
+                        "params": P,
+                        "param_bytes": S,
+                        "step_s": steps[label],
+                        "allreduce_step_s": steps["allreduce"],
+                        "ratio_vs_allreduce": steps[label] / steps["allreduce"],
+                        "timing": "cycle-mean" if periodic else "median",
+                    }
+                )
+    return out
+
+
+def test_calibrate_recovers_what_made_the_records():
+    records = simulate(TRUTH)
+    cal = pm.calibrate(records)
+    assert cal.params == P and cal.itemsize == 4
+    for g, v in TRUTH.base_s.items():
+        assert cal.base_s[g] == pytest.approx(v, rel=1e-6)
+    for n, v in TRUTH.unshaped_gbps.items():
+        assert cal.unshaped_gbps[n] == pytest.approx(v, rel=1e-6)
+    for k, v in TRUTH.cost_per_byte.items():
+        assert cal.cost_per_byte[k] == pytest.approx(v, rel=1e-5)
+    assert cal.cost_per_byte[pm.key("adasum")] == pytest.approx(0.0, abs=1e-15)
+    for n in (2, 4):
+        assert cal.backend.factor("allreduce", n) == pytest.approx(pm.GLOO.factor("allreduce", n))
+    rows = pm.fit_report(records, cal)
+    assert len(rows) == len(records)
+    assert all(r.ok and abs(r.error) < 1e-6 for r in rows)
+    assert {r.bound for r in rows} == {"bandwidth", "compute"}
+
+
+def test_calibrate_refits_the_allreduce_factor():
+    # The shaped all-reduce runs 10% slower than the pattern table says: the fit follows.
+    slow = pm.Calibration(
+        dataclasses.replace(
+            pm.GLOO, factors={**pm.GLOO.factors, ("allreduce", 2): 1.2, ("allreduce", 4): 1.15}
+        ),
+        TRUTH.base_s,
+        TRUTH.cost_per_byte,
+        TRUTH.unshaped_gbps,
+        P,
+    )
+    for rates in [(None, 100.0), (100.0, 1000.0)]:  # unshaped cells, or a line through two
+        cal = pm.calibrate(simulate(slow, rates=rates))
+        assert cal.backend.factor("allreduce", 2) == pytest.approx(1.2, rel=1e-3)
+        assert cal.backend.factor("allreduce", 4) == pytest.approx(1.15, rel=1e-3)
+        assert cal.base_s[(4, 1)] == pytest.approx(0.08, rel=1e-2)
+    # One shaped rate and no unshaped cell: the table's factor, the rest taken as compute.
+    cal = pm.calibrate(simulate(slow, rates=(100.0,)))
+    assert cal.backend.factor("allreduce", 2) == pytest.approx(pm.GLOO.factor("allreduce", 2))
+
+
+def test_calibrate_drops_a_negative_link_term():
+    # Unshaped steps made with a negative link term at N = 2 (sending more made it faster):
+    # that term is dropped (no bandwidth cost), N = 4's is kept.
+    inverse, base, extra = {2: -0.01, 4: 0.4}, {2: 0.05, 4: 0.09}, {"sgp": 0.01, "terngrad": 0.05}
+    records = []
+    for n in (2, 4):
+        cell = {"nodes": n, "params": P, "param_bytes": S, "rate_mbit": None}
+        ar = base[n] + inverse[n] * pm.predict("allreduce", P, n, 1.0, backend=pm.GLOO).comm_s
+        records.append(cell | {"method": "allreduce", "step_s": ar, "allreduce_step_s": ar})
+        for m, x in extra.items():
+            comm = pm.predict(m, P, n, 1.0, backend=pm.GLOO).comm_s
+            step = base[n] + x + inverse[n] * comm
+            records.append(cell | {"method": m, "step_s": step, "allreduce_step_s": ar})
+    cal = pm.calibrate(records)
+    assert math.isinf(cal.unshaped_gbps[2]) and math.isfinite(cal.unshaped_gbps[4])
+
+
+def test_fit_tolerances():
+    records = simulate(TRUTH, nodes=(2, 4), rates=(None, 100.0))
+    off = []
+    for r in records:
+        r = dict(r)
+        if r["label"] in ("sgp", "terngrad"):  # 20% off the model
+            r["ratio_vs_allreduce"] *= 1.25
+            r["ratio_runs"] = [r["ratio_vs_allreduce"] * f for f in (0.8, 1.0, 1.2)]
+        off.append(r)
+    rows = {(r.label, r.rate): r for r in pm.fit_report(off, pm.calibrate(records)) if r.nodes == 2}
+    # Bandwidth-bound: 15% however much the runs spread.
+    assert rows[("sgp", "100mbit")].bound == "bandwidth"
+    assert not rows[("sgp", "100mbit")].ok
+    assert rows[("sgp", "100mbit")].error == pytest.approx(-0.2)
+    # Compute-bound: within the runs' spread (40% here).
+    assert rows[("terngrad", "unshaped")].bound == "compute"
+    assert rows[("terngrad", "unshaped")].tolerance == pytest.approx(0.4)
+    assert rows[("terngrad", "unshaped")].ok
+    text = pm.fit_markdown(list(rows.values()))
+    assert "| sgp | 2 | 100mbit |" in text and "no (tolerance 15%)" in text
+    assert "osgp shows no gain" in text and "latency is 0" in text
+    assert re.search(r"bandwidth-bound cells: \d+, largest error 20%", text)
+
+
+# The pattern table and the step times measured with gloo on this machine's shaped links
+# (4M-parameter MLP, Adam; ratios to allreduce in the same run, and allreduce's step).
+MEASURED = {
+    (2, 100.0, 1.51): {"lags-0.01": 0.08, "lags-0.001": 0.03, "terngrad": 0.13, "sgp": 1.93,
+                       "adasum": 1.66},
+    (4, 100.0, 2.43): {"lags-0.01": 0.11, "lags-0.001": 0.04, "terngrad": 0.17, "sgp": 0.98,
+                       "adasum": 1.44},
+    (2, None, 0.063): {"lags-0.01": 1.74, "lags-0.001": 0.82, "terngrad": 2.10},
+    (4, None, 0.158): {},
+}  # fmt: skip
+
+
+def test_bandwidth_bound_cells_measured_here():
+    methods = {label: (m, o) for label, m, o in pm.METHODS}
+    records = []
+    for (n, rate, ar), ratios in MEASURED.items():
+        cell = {"nodes": n, "rate": f"{rate}", "rate_mbit": rate, "link_mbit_measured": 95.8}
+        cell |= {"params": P, "param_bytes": S, "allreduce_step_s": ar}
+        records.append(cell | {"method": "allreduce", "label": "allreduce", "step_s": ar})
+        for label, x in ratios.items():
+            m, o = methods[label]
+            records.append(cell | {"method": m, "options": o, "label": label, "step_s": x * ar})
+    rows = pm.fit_report(records, pm.calibrate(records))
+    bound = {(r.label, r.nodes): r for r in rows if r.bound == "bandwidth"}
+    assert set(bound) == {(m, n) for m in ("allreduce", "sgp", "adasum") for n in (2, 4)}
+    assert all(abs(r.error) < 0.05 for r in bound.values())
+
+
+# ----------------------------------------------------------------------------- papers
+
+
+def test_paper_checks():
+    checks = pm.paper_checks()
+    assert len(checks) == 11
+    by = {c.setting.split(",")[0]: c for c in checks if not c.paper.startswith("SGP")}
+    # The figures as the papers state them.
+    assert by["64 V100s (16 nodes x 4)"].paper_value == 1.45
+    assert [by[m].paper_value for m in ("ResNet-50", "Inception-v4", "LSTM-PTB")] == [
+        2.86,
+        3.08,
+        8.52,
+    ]
+    tern = [c for c in checks if c.paper.startswith("TernGrad")]
+    assert [c.paper_value for c in tern] == [3.04, 2.0]
+    sgp = [c for c in checks if c.paper.startswith("SGP")]
+    assert [round(c.paper_value, 2) for c in sgp] == [3.0, 1.96]
+    # Adasum sends the ring's bytes: at zero latency its collective takes the all-reduce's time.
+    adasum = checks[0]
+    assert adasum.quantity == "latency ratio"
+    assert adasum.predicted == pytest.approx(1.0) and adasum.implied_compute_s is None
+    # TernGrad gives no compute time: the model's speed-up is a bound, above the paper's.
+    assert all(c.compute_s == 0 and c.predicted > c.paper_value for c in tern)
+    assert tern[0].predicted == pytest.approx(20.0)  # 1.6-bit codes against float32, N = 2
+    # SGP: the model's SGP step is close to the paper's, its all-reduce far from it, so no
+    # compute time gives 3x.
+    assert all(c.predicted < 1.3 and c.implied_compute_s is None for c in sgp)
+    # Compute read from the papers' own measurements.
+    assert by["ResNet-50"].compute_s == pytest.approx(0.67 - 15 * 25_557 * 8 * 8 / 1e9, rel=1e-3)
+    assert sgp[0].compute_s == pytest.approx(8.8 * 3600 / (90 * 1_281_167 / 1024), rel=1e-3)
+    for c in checks:
+        assert c.inputs.count("Gbit/s") == 1 and "compute" in c.inputs
+
+
+def test_model_doc_quotes_the_papers_table():
+    doc = (ROOT / "docs" / "bench" / "model.md").read_text()
+    assert pm.paper_table() in doc
+    assert pm.crossover_table(25_557_032, 32, 0.281) in doc
+    assert "no crossover" in doc and "osgp row shows no gain" in doc
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli(tmp_path, capsys):
+    path = tmp_path / "network.json"
+    path.write_text(json.dumps(simulate(TRUTH)))
+    out = tmp_path / "model.json"
+    assert pm.main([str(path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "## The model's fit to" in text and "osgp shows no gain" in text
+    assert "| lags-0.01 |" in text and "## The papers' figures beside the model" in text
+    report = json.loads(out.read_text())
+    assert len(report["fit"]) == len(simulate(TRUTH)) and len(report["papers"]) == 11
+    assert report["calibration"]["base_s"]["2x1"] == pytest.approx(0.045)
+    with pytest.raises(SystemExit) as exit_:
+        pm.main(["--help"])
+    assert exit_.value.code == 0
+
+
+def test_cli_runs_as_a_module():
+    # As `python -m`, with runtime warnings as errors: runpy warns if importing the package
+    # had already imported the module it runs.
+    command = [sys.executable, "-W", "error::RuntimeWarning", "-m", "gradcomm.perfmodel", "--help"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m gradcomm.perfmodel")
