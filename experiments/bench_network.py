@@ -24,6 +24,15 @@ Unshaped cells, bound by compute and noisy, take `--runs` runs; shaped cells, bo
 link and repeatable, `--shaped-runs`. Bytes per step are the steady state's, read from
 the compiled program (`gradcomm.wire`).
 
+Allocator: by default (`--allocator retain`) the workers run with glibc's malloc told to
+keep and reuse freed memory (`RETAIN_TUNABLES`). XLA:CPU allocates each step's
+temporaries afresh; glibc hands allocations of over 32 MiB, and any that land in a
+thread's arena, back to the kernel when freed, so the next step faults every page in
+again. On the gVisor VMs this was written on those page faults cost more than the
+kernels: they doubled the step of the methods with large temporaries (LAGS, Adasum,
+dropping) and left allreduce's nearly alone. `--allocator default` measures glibc's
+defaults; each record says which ran.
+
 netem is not available on the machines this was written on: no delay or loss is added,
 so links differ only in bandwidth. The script needs root, and removes every namespace it
 made, on success, on error and on Ctrl-C.
@@ -360,6 +369,21 @@ def pattern_worker(config: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- driver
 
+# glibc malloc tunables (glibc >= 2.26) that keep freed memory mapped for reuse: one arena
+# (thread arenas return large blocks to the kernel), no mmap for large blocks, no trimming.
+RETAIN_TUNABLES = (
+    "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+    "glibc.malloc.trim_threshold=4611686018427387904:glibc.malloc.top_pad=268435456"
+)
+
+
+def worker_env(allocator: str) -> dict[str, str]:
+    """The environment of a worker process: CPU JAX, and the allocator asked for."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    if allocator == "retain":
+        env["GLIBC_TUNABLES"] = RETAIN_TUNABLES
+    return env
+
 
 def run_cell(
     nodes: int, rate: str, args: argparse.Namespace, **extra: Any
@@ -390,7 +414,7 @@ def run_cell(
                 **extra,
             }
             argv = [sys.executable, __file__, "--worker", json.dumps(config)]
-            env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+            env = worker_env(args.allocator)
             procs.append(
                 cluster.popen(
                     i, argv, env=env, stdout=subprocess.PIPE,
@@ -413,7 +437,7 @@ def run_cell(
 
 def records_of(
     results: dict[str, Any], nodes: int, rate: str, links: list[float], local: bool,
-    bytes_known: dict[tuple[int, str], float],
+    bytes_known: dict[tuple[int, str], float], allocator: str = "retain",
 ) -> list[dict[str, Any]]:  # fmt: skip
     """network.json records for one cell, with ratios to this cell's allreduce, run by run."""
     import numpy as np
@@ -452,6 +476,7 @@ def records_of(
                 "backend": "gloo",
                 "exchange": "pairwise" if nodes & (nodes - 1) == 0 else "permute",
                 "netem": False,
+                "allocator": allocator,
             }
         )
     return out
@@ -538,6 +563,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method per run")
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs, unshaped cells")
     parser.add_argument("--shaped-runs", type=int, default=1, help="runs for shaped cells")
+    parser.add_argument(
+        "--allocator",
+        choices=("retain", "default"),
+        default="retain",
+        help="workers' glibc malloc: keep freed memory for reuse, or glibc's defaults",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     parser.add_argument("--out", default="runs/bench_network", help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no per-method progress")
@@ -629,7 +660,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                     nodes, rate, args, labels=group, local=is_local,
                     measure_bytes=bool(todo), cache=cache,
                 )  # fmt: skip
-                records += records_of(results, nodes, rate, links, is_local, bytes_known)
+                records += records_of(
+                    results, nodes, rate, links, is_local, bytes_known, args.allocator
+                )
                 (out / "network.json").write_text(json.dumps(records, indent=1))
     shutil.rmtree(cache, ignore_errors=True)
     for r in records:  # bytes were measured in the first cell of each node count

@@ -88,11 +88,19 @@ class FlatLayout:
 
     def pack(self, leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
         """Leaves to a `(rows, num_blocks, block)` buffer of `dtype`, zero-padded."""
+        b = self.block
         parts = []
         for leaf, k in zip(leaves, self.blocks, strict=True):
             flat = jnp.ravel(leaf).astype(dtype)
-            flat = jnp.pad(flat, (0, self.rows * k * self.block - flat.size))
-            parts.append(flat.reshape(self.rows, k, self.block))
+            # Padded by whole blocks: XLA:CPU runs an elementwise pad of a fused producer
+            # (an optimizer's update) about 3x slower than the producer alone.
+            whole = flat.size // b
+            blocks = [flat[: whole * b].reshape(whole, b)]
+            if whole * b < flat.size:
+                blocks.append(jnp.pad(flat[whole * b :], (0, (whole + 1) * b - flat.size))[None])
+            if self.rows * k > -(-flat.size // b):
+                blocks.append(jnp.zeros((self.rows * k - -(-flat.size // b), b), dtype))
+            parts.append(jnp.concatenate(blocks).reshape(self.rows, k, b))
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
     def unpack(self, x: jax.Array) -> list[jax.Array]:
