@@ -277,6 +277,42 @@ def check_float_leaves(tree: Any, who: str) -> None:
             )
 
 
+def check_updates(tree: Any, axis_name: AxisName, who: str) -> None:
+    """The checks every method runs on its input: float leaves, and not already reduced.
+
+    Under `shard_map` with `check_vma=True` (its default) JAX types each value with the
+    mesh axes over which it may vary. Gradients of parameters that entered the map
+    replicated (`in_specs=P()`) come out invariant: JAX has already summed them over the
+    axis, so every device holds the total and the per-device gradients are gone. A
+    method would then average N copies of the sum (N times too large for allreduce, a
+    no-op for Adasum); no division can recover them, so this raises. Where the types say
+    nothing (`check_vma=False`, `vmap`, where `lax.axis_index` itself reads as
+    invariant) the check is skipped, never guessed. It raises only where every float
+    leaf is invariant over one of the axes: a lone invariant leaf (say, zeros for a
+    frozen parameter) is not a sum.
+
+    Raises:
+      ValueError: naming the leaf that is not floating point, or the fix for gradients
+        that are already reduced.
+    """
+    check_float_leaves(tree, who)
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.size(leaf)]
+    if not leaves or not _is_manual(axis_name):
+        return
+    for name in axis_names(axis_name):
+        if name not in varying_axes(lax.axis_index(name)):
+            continue  # no type checking here: every value reads as invariant
+        if all(name not in varying_axes(leaf) for leaf in leaves):
+            raise ValueError(
+                f"{who} got updates that are already identical on every device of axis "
+                f"{name!r}: JAX summed the gradients over the axis because the parameters "
+                f"entered shard_map replicated (in_specs=P()). Differentiate with respect "
+                f"to per-device parameters, `params = jax.lax.pcast(params, {name!r}, "
+                f"to='varying')` before `jax.grad`, or use gradcomm.parallel.train_step, "
+                f"which does this."
+            )
+
+
 def require_params(params: Any, who: str) -> None:
     """Raises a `ValueError` when a transformation that reads params was given none."""
     if params is None:

@@ -105,30 +105,47 @@ def _merge_stats(stats: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _coefficients(totals: tuple[jax.Array, ...]) -> jax.Array:
-    """Per-leaf (alpha, 1/Sa, beta, 1/Sb) with AS(a, b) = a - alpha a/Sa + b - beta b/Sb.
+    """Per leaf (m_a, u_a, v_a, m_b, u_b, v_b, S): AS(a, b) = S (t_a + t_b), t = am u - am v.
 
-    With a' = a / Sa and b' = b / Sb the scaled operands, a.b / (2|a|^2) = q_a Sb / Sa for
-    q_a = a'.b' / (2|a'|^2), so eq. 8's `a` term is a - (q_a Sb)(a / Sa), every factor
-    finite whatever the magnitudes of a and b. q_a = 0 where a is zero (coefficient 1);
-    everything is NaN for a leaf whose sums are not finite.
+    eq. 8's `a` term is a (1 - c_a) for the coefficient c_a = a.b / (2|a|^2). With a' =
+    a / Sa and b' = b / Sb the scaled operands (Sa, Sb exact powers of two), c_a = q_a
+    (Sb / Sa) for q_a = a'.b' / (2|a'|^2), a number of order one at most 2 size. As
+    Horovod does, the coefficients come first, and the scale last: both terms are formed
+    at the scale of S = max(Sa, Sb), m_a = 1/S and n_a = 1 - c_a, summed, and only the
+    sum is multiplied by S. So an intermediate that would fall below the normal range
+    (a correction term of a pair near the float minimum) is never formed, and only a
+    result that is itself subnormal can flush. A term is t_a = (a m_a) u_a - (a m_a) v_a
+    with (u_a, v_a) = (1, c_a): XLA:CPU contracts it into one fused multiply-add, the
+    same on both members of a pair, and the sum of the two terms has no product to
+    contract, so both members compute the same bits. Where c_a exceeds 2^64 (b larger
+    than a by as much), a (1 - c_a) / S is -q_a (a / Sa) to within 2^-64: m_a = 1/Sa,
+    (u_a, v_a) = (0, q_a). q_a = 0 where a is zero; everything is NaN for a leaf whose
+    sums are not finite.
     """
     scale_a, scale_b, ab, aa, bb = totals
+    bad = jnp.where(jnp.isfinite(ab) & jnp.isfinite(aa) & jnp.isfinite(bb), 0, jnp.nan)
+    scale = jnp.maximum(scale_a, scale_b)
+
+    def inverse(s: jax.Array) -> jax.Array:  # exact: s is a power of two or 0
+        return 1 / jnp.where(s > 0, s, 1)
+
+    def term(q: jax.Array, own: jax.Array, other: jax.Array) -> list[jax.Array]:
+        c = q * other * inverse(own)
+        first = jnp.abs(c) <= 2.0**64
+        return [
+            jnp.where(first, inverse(scale), inverse(own)),
+            jnp.where(first, 1, 0) + bad,
+            jnp.where(first, c, q),
+        ]
+
     qa = jnp.where(aa > 0, ab / (2 * aa), 0)
     qb = jnp.where(bb > 0, ab / (2 * bb), 0)
-    bad = ~(jnp.isfinite(ab) & jnp.isfinite(aa) & jnp.isfinite(bb))
-    return jnp.stack(
-        [
-            jnp.where(bad, jnp.nan, qa * scale_b),
-            jnp.where(scale_a > 0, 1 / scale_a, 1),
-            jnp.where(bad, jnp.nan, qb * scale_a),
-            jnp.where(scale_b > 0, 1 / scale_b, 1),
-        ]
-    )
+    return jnp.stack([*term(qa, scale_a, scale_b), *term(qb, scale_b, scale_a), scale])
 
 
 # Index maps between (own, other) and (a, b) order, for the device whose own part is b.
 _SWAP_STATS = np.array([1, 0, 2, 4, 3])
-_SWAP_COEFFICIENTS = np.array([2, 3, 0, 1])
+_SWAP_COEFFICIENTS = np.array([3, 4, 5, 0, 1, 2, 6])
 
 
 def _pair(
@@ -162,7 +179,9 @@ def _pair(
     def combine(x: jax.Array, y: jax.Array) -> jax.Array:
         x, y = x.astype(ct), y.astype(ct)
         # x + y commutes bit for bit: both members of a pair would compute the same sum.
-        out = (x - coef[..., 0] * (x * coef[..., 1])) + (y - coef[..., 2] * (y * coef[..., 3]))
+        m_x, u_x, v_x, m_y, u_y, v_y, scale = (coef[..., i] for i in range(7))
+        x, y = x * m_x, y * m_y
+        out = ((x * u_x - x * v_x) + (y * u_y - y * v_y)) * scale
         return out.astype(own.dtype)
 
     if not halves:
@@ -316,7 +335,8 @@ def adasum_reduce(
       eq. 8 (operator), eq. 9 (recursion), Algorithm 1 (ADASUM_RVHDD), section 3.5.
     """
     _base.check_exchange(exchange)
-    _base.check_float_leaves(tree, "adasum")
+    every_axis = _base.axis_names(axis_name) + _base.axis_names(local_axis or ())
+    _base.check_updates(tree, every_axis, "adasum")
     n = _base.axis_size(axis_name)
     index = _base.axis_index(axis_name)
     pairwise = _base.use_pairwise(axis_name, exchange, "adasum")
@@ -477,7 +497,6 @@ def adasum(
         updates: Any, state: AdasumState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AdasumState]:
         del params, extra_args
-        _base.check_float_leaves(updates, "adasum")
         updates = adasum_reduce(updates, axis_name, local_axis=local_axis, exchange=exchange)
         return updates, AdasumState(count=optax.safe_increment(state.count))
 

@@ -51,7 +51,7 @@ def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformatio
         updates: Any, state: AllReduceState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AllReduceState]:
         del params, extra_args
-        _base.check_float_leaves(updates, "allreduce")
+        _base.check_updates(updates, axis_name, "allreduce")
         _base.axis_size(axis_name)
         updates = lax.pmean(updates, axis_name)
         return updates, AllReduceState(count=optax.safe_increment(state.count))

@@ -161,7 +161,7 @@ def gradient_dropping(
     def update_fn(
         updates: Any, state: GradientDroppingState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, GradientDroppingState]:
-        _base.check_float_leaves(updates, "gradient_dropping")
+        _base.check_updates(updates, axis_name, "gradient_dropping")
         if average_every is not None:
             if params is None:
                 raise ValueError("gradient_dropping(average_every=...) needs params")
@@ -287,7 +287,7 @@ def local_sgd(
         updates: Any, state: LocalSgdState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LocalSgdState]:
         _base.require_params(params, "local_sgd")
-        _base.check_float_leaves(updates, "local_sgd")
+        _base.check_updates(updates, axis_name, "local_sgd")
         _base.axis_size(axis_name)
         due = _base.averaging_due(state.count, every)
         if not extra_args.get(_base.DEFER_AVERAGING):

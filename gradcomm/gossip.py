@@ -86,6 +86,13 @@ def _mix(
     return lax.switch(count % len(branches), branches)
 
 
+def _weight_dtype(params: Any) -> jax.typing.DTypeLike:
+    """The push-sum weight's dtype: the widest accumulation dtype of the params (float64
+    params keep a float64 weight; float32, bfloat16 and float16 ones a float32 one)."""
+    dtypes = [_base.compute_dtype(jnp.result_type(p)) for p in jax.tree.leaves(params)]
+    return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
+
+
 def _pack(tree: Any) -> tuple[list[FlatLayout], list[list[int]], list[jax.Array]]:
     """Leaves fused into one flat buffer per dtype, so each move is one collective per dtype."""
     leaves = jax.tree.leaves(tree)
@@ -184,11 +191,12 @@ def sgp(
 
     def init_fn(params: Any) -> SgpState:
         slots = jax.tree.map(lambda p: jnp.zeros((overlap, *p.shape), p.dtype), params)
+        dtype = _weight_dtype(params)
         return SgpState(
             count=_base.zero_count(),
-            weight=jnp.ones([], jnp.float32),
+            weight=jnp.ones([], dtype),
             in_flight=slots,
-            in_flight_weight=jnp.zeros([overlap], jnp.float32),
+            in_flight_weight=jnp.zeros([overlap], dtype),
         )
 
     def update_fn(
@@ -196,14 +204,17 @@ def sgp(
     ) -> tuple[Any, SgpState]:
         del extra_args
         _base.require_params(params, "sgp")
-        _base.check_float_leaves(updates, "sgp")
+        _base.check_updates(updates, axis_name, "sgp")
         n = _base.axis_size(axis_name)
         graph = topologies.resolve(topology, n)
         pairwise = _base.use_pairwise(axis_name, exchange, "sgp")
-        w = jnp.ones([], jnp.float32) if biased else state.weight
-        x = jax.tree.map(
-            lambda z, u: (z.astype(jnp.float32) * w + u).astype(z.dtype), params, updates
-        )
+        w = jnp.ones([], state.weight.dtype) if biased else state.weight
+
+        def scaled(z: jax.Array, u: jax.Array) -> jax.Array:
+            ct = _base.compute_dtype(z.dtype)
+            return (z.astype(ct) * w.astype(ct) + u.astype(ct)).astype(z.dtype)
+
+        x = jax.tree.map(scaled, params, updates)
         layouts, groups, buffers = _pack(x)
 
         def gossip() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
@@ -238,8 +249,13 @@ def sgp(
         else:
             mixed, new_w, queue, queue_w = gossip()
         x_new = _unpack(x, layouts, groups, mixed)
-        divisor = jnp.ones([], jnp.float32) if biased else new_w
-        z_new = jax.tree.map(lambda v: (v.astype(jnp.float32) / divisor).astype(v.dtype), x_new)
+        divisor = jnp.ones([], new_w.dtype) if biased else new_w
+
+        def unscaled(v: jax.Array) -> jax.Array:
+            ct = _base.compute_dtype(v.dtype)
+            return (v.astype(ct) / divisor.astype(ct)).astype(v.dtype)
+
+        z_new = jax.tree.map(unscaled, x_new)
         delta = jax.tree.map(jnp.subtract, z_new, params)
         new_state = SgpState(
             count=optax.safe_increment(state.count),
@@ -304,7 +320,7 @@ def dpsgd(
     ) -> tuple[Any, DpsgdState]:
         del extra_args
         _base.require_params(params, "dpsgd")
-        _base.check_float_leaves(updates, "dpsgd")
+        _base.check_updates(updates, axis_name, "dpsgd")
         graph = topologies.resolve(topology, _base.axis_size(axis_name))
         if not (graph.is_symmetric() and graph.is_doubly_stochastic()):
             raise ValueError(f"dpsgd needs a symmetric topology, got {graph.name}")
@@ -333,9 +349,10 @@ def consensus_distance(params: Any, axis_name: _base.AxisName = "data") -> jax.A
       Array([2.5, 2.5], dtype=float32)
     """
     mean = lax.pmean(params, axis_name)
-    squares = jax.tree.map(
-        lambda p, m: jnp.sum(jnp.square(p.astype(jnp.float32) - m.astype(jnp.float32))),
-        params,
-        mean,
-    )
+
+    def square(p: jax.Array, m: jax.Array) -> jax.Array:
+        ct = _base.compute_dtype(p.dtype)
+        return jnp.sum(jnp.square(p.astype(ct) - m.astype(ct)))
+
+    squares = jax.tree.map(square, params, mean)
     return jnp.sqrt(sum(jax.tree.leaves(squares)))

@@ -166,7 +166,7 @@ def lags(
         updates: Any, state: LagsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LagsState]:
         del params, extra_args
-        _base.check_float_leaves(updates, "lags")
+        _base.check_updates(updates, axis_name, "lags")
         n = _base.axis_size(axis_name)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [leaf for _, leaf in paths_leaves]
@@ -237,7 +237,7 @@ def slgs(
         updates: Any, state: SlgsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, SlgsState]:
         del params, extra_args
-        _base.check_float_leaves(updates, "slgs")
+        _base.check_updates(updates, axis_name, "slgs")
         n = _base.axis_size(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)

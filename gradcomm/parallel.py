@@ -383,8 +383,13 @@ class TrainStep:
 
         return body
 
-    def _jitted(self, state: Any) -> Any:
-        flags = _per_device_leaves(state, self._spec)
+    def _jitted(self, params: Any, state: Any) -> Any:
+        if math.prod(self._mesh.shape[n] for n in self._names) == 1:
+            # One device: with Auto axes, JAX drops the size-1 device axis from a state
+            # leaf's sharding, which then cannot say which leaves are per device.
+            flags = _layout(self._tx, params, self._mesh, self._names, self._params_per_device)
+        else:
+            flags = _per_device_leaves(state, self._spec)
         key = (jax.tree.structure(state), tuple(flags))
         if key not in self._compiled:
             state_specs = _state_specs(state, flags, self._spec)
@@ -406,10 +411,10 @@ class TrainStep:
         )
 
     def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict]:
-        return self._jitted(state)(*self._place(params, state, batch))
+        return self._jitted(params, state)(*self._place(params, state, batch))
 
     def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        return self._jitted(state).lower(*self._place(params, state, batch))
+        return self._jitted(params, state).lower(*self._place(params, state, batch))
 
 
 def train_step(

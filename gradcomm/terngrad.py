@@ -407,7 +407,7 @@ def terngrad(
         updates: Any, state: TernGradState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, TernGradState]:
         del params, extra_args
-        _base.check_float_leaves(updates, "terngrad")
+        _base.check_updates(updates, axis_name, "terngrad")
         n = _base.axis_size(axis_name)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         paths = [p for p, _ in paths_leaves]

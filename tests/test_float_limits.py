@@ -1,0 +1,110 @@
+"""Adasum at the edges of float32's normal range, against the float64 reference.
+
+As in Horovod's stability tests: the same vectors scaled towards the smallest normal and
+towards sqrt(float32 max), where a naive a.b / (2|a|^2) under- or overflows. XLA on CPU
+flushes subnormals to zero, so inputs and results are kept normal; what must not flush
+are the intermediates (a correction term near the minimum normal).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+
+import gradcomm
+
+F32 = np.finfo(np.float32)
+EPS = float(F32.eps)
+# Scales that put the vectors' entries (in [1, 4)) just above the minimum normal, deep in
+# the normal range, and at sqrt(float32 max), where |a|^2 alone would overflow.
+SCALES = {
+    "min-normal": float(F32.tiny),
+    "tiny": 2.0**-100,
+    "one": 1.0,
+    "huge": 2.0**60,
+    "sqrt-max": float(np.sqrt(F32.max)) / 4,
+}
+
+
+def _vectors(n, size=37, seed=0):
+    """n positive vectors that point roughly the same way (entries in [1, 4))."""
+    rng = np.random.default_rng(seed)
+    base = rng.uniform(1.0, 2.0, size)
+    return [base * rng.uniform(1.0, 2.0, size) for _ in range(n)]
+
+
+def _relative_error(got, want):
+    return float(np.max(np.abs(np.float64(got) - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_pair_at_the_limits(scale):
+    s = SCALES[scale]
+    a, b = (np.float32(v * s) for v in _vectors(2))
+    want = reference.adasum_pair(np.float64(a), np.float64(b))
+    got = gradcomm.adasum_pair(jnp.asarray(a), jnp.asarray(b))
+    assert np.all(np.abs(want) >= F32.tiny)  # the result is normal: it must not flush
+    assert _relative_error(got, want) <= 100 * EPS
+
+
+@pytest.mark.parametrize("scale", ["min-normal", "sqrt-max"])
+def test_two_times_t_and_t(scale):
+    # AS(2t, t) = 2t (1 - 1/4) + t (1 - 1) = 1.5 t: the correction term of 2t is t/2,
+    # below the normal range when t is the minimum normal.
+    t = np.float32(SCALES[scale])
+    got = gradcomm.adasum_pair(jnp.float32(2 * t), jnp.float32(t))
+    assert float(got) == pytest.approx(1.5 * float(t), rel=100 * EPS)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("scale", ["min-normal", "sqrt-max"])
+def test_reduce_at_the_limits(n, scale):
+    s = SCALES[scale]
+    values = [np.float32(v * s) for v in _vectors(n, seed=n)]
+    want = reference.adasum([np.float64(v) for v in values])
+    got = jax.vmap(lambda x: gradcomm.adasum_reduce(x, "d"), axis_name="d")(jnp.stack(values))
+    assert np.all(np.abs(want) >= F32.tiny)
+    for row in np.asarray(got):
+        assert _relative_error(row, want) <= 100 * EPS
+
+
+def test_unequal_magnitudes_stay_finite():
+    # b 2^-120 times a: c_b = a.b / (2|b|^2) is about 2^119, beyond the coefficient-first
+    # form; the term becomes -q_b (b / Sb) scaled back, still within 100 eps.
+    a, b = (np.float32(v) for v in _vectors(2))
+    b = np.float32(b * 2.0**-120)
+    want = reference.adasum_pair(np.float64(a), np.float64(b))
+    got = gradcomm.adasum_pair(jnp.asarray(a), jnp.asarray(b))
+    assert _relative_error(got, want) <= 100 * EPS
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_gossip_keeps_float64(overlap):
+    # Models 1e-12 apart: float32 would make them equal. x, the push-sum weight and the
+    # in-flight messages must all stay float64, and the mix match the float64 reference.
+    from gradcomm import topology
+
+    n = 4
+    with jax.enable_x64(True):
+        params = jnp.asarray(1.0 + 1e-12 * np.arange(n * 3).reshape(n, 3), jnp.float64)
+        tx = gradcomm.sgp("d", overlap=overlap)
+
+        def step(p, state):
+            delta, state = tx.update(jnp.zeros_like(p), state, p)
+            return p + delta, state
+
+        state = jax.vmap(tx.init, axis_name="d")(params)
+        assert state.weight.dtype == jnp.float64
+        assert jax.tree.leaves(state.in_flight)[0].dtype == jnp.float64
+        p = params
+        for _ in range(3):
+            p, state = jax.vmap(step, axis_name="d")(p, state)
+        assert p.dtype == jnp.float64 and state.in_flight_weight.dtype == jnp.float64
+        if overlap == 0:  # push-sum of x = z w with w = 1 at the start: z' = P x / P w
+            graph = topology.resolve("exponential", n)
+            x, w = np.asarray(params, np.float64), np.ones(n)
+            for t in range(3):
+                m = graph.mixing_matrix(t)
+                x, w = m @ x, m @ w
+            np.testing.assert_allclose(np.asarray(p), x / w[:, None], rtol=0, atol=1e-15)
