@@ -8,9 +8,11 @@ behaviour differs between those contexts.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -266,6 +268,20 @@ def assume_invariant(x: jax.Array, axis_name: AxisName) -> jax.Array:
     return _assume_invariant_p.bind(x, axes=axes) if axes else x
 
 
+def static_hint(value: Any, arg: str) -> str:
+    """For the error about a structural argument: what to do where it arrived traced.
+
+    `optax.inject_hyperparams` turns every numeric argument into a traced value; those
+    that shape the program (density, drop ratio, seed, overlap, periods) must stay static.
+    """
+    if isinstance(value, jax.core.Tracer):
+        return (
+            f" ({arg} shapes the program, so it must be static: with "
+            f"optax.inject_hyperparams, pass static_args=({arg!r},))"
+        )
+    return ""
+
+
 def check_float_leaves(tree: Any, who: str) -> None:
     """Raises a `ValueError` naming the first leaf that is not a floating-point array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -275,6 +291,25 @@ def check_float_leaves(tree: Any, who: str) -> None:
                 f"{who} needs floating-point leaves, but leaf "
                 f"{jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}"
             )
+
+
+_SHAPES_ONLY = contextvars.ContextVar("gradcomm_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Within: `check_updates` skips the reduced-input check.
+
+    For tracing that probes types rather than training: `parallel.init_state` traces one
+    update with every state leaf replicated at first, and a wrapper such as
+    `optax.MultiSteps` then hands the method its replicated accumulator (in an
+    `eval_shape`), which would read as summed gradients.
+    """
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
 
 
 def check_updates(tree: Any, axis_name: AxisName, who: str) -> None:
@@ -297,7 +332,7 @@ def check_updates(tree: Any, axis_name: AxisName, who: str) -> None:
     """
     check_float_leaves(tree, who)
     leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.size(leaf)]
-    if not leaves or not _is_manual(axis_name):
+    if not leaves or _SHAPES_ONLY.get() or not _is_manual(axis_name):
         return
     for name in axis_names(axis_name):
         if name not in varying_axes(lax.axis_index(name)):

@@ -54,6 +54,7 @@ def _check_every(every: Any, arg: str, optional: bool = False) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(
             f"{arg} must be a positive int{' or None' if optional else ''}, got {every!r}"
+            + _base.static_hint(every, arg)
         )
 
 
@@ -143,12 +144,18 @@ def gradient_dropping(
         or not isinstance(drop_ratio, int | float)
         or not (0 <= drop_ratio < 1)
     ):
-        raise ValueError(f"drop_ratio must be in [0, 1), got {drop_ratio!r}")
+        raise ValueError(
+            f"drop_ratio must be in [0, 1), got {drop_ratio!r}"
+            + _base.static_hint(drop_ratio, "drop_ratio")
+        )
     if local not in LOCAL_MODES:
         raise ValueError(f"local must be one of {LOCAL_MODES}, got {local!r}")
     _check_every(average_every, "average_every", optional=True)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        raise ValueError(
+            f"warmup_steps must be a non-negative int, got {warmup_steps!r}"
+            + _base.static_hint(warmup_steps, "warmup_steps")
+        )
     sparse.check_selector(selector)
 
     def init_fn(params: Any) -> GradientDroppingState:

@@ -118,7 +118,10 @@ def _unpack(
 
 def _check_overlap(overlap: Any) -> None:
     if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
-        raise ValueError(f"overlap must be a non-negative int, got {overlap!r}")
+        raise ValueError(
+            f"overlap must be a non-negative int, got {overlap!r}"
+            + _base.static_hint(overlap, "overlap")
+        )
 
 
 def sgp(
@@ -187,7 +190,10 @@ def sgp(
         or not isinstance(allreduce_steps, int)
         or allreduce_steps < 0
     ):
-        raise ValueError(f"allreduce_steps must be a non-negative int, got {allreduce_steps!r}")
+        raise ValueError(
+            f"allreduce_steps must be a non-negative int, got {allreduce_steps!r}"
+            + _base.static_hint(allreduce_steps, "allreduce_steps")
+        )
 
     def init_fn(params: Any) -> SgpState:
         slots = jax.tree.map(lambda p: jnp.zeros((overlap, *p.shape), p.dtype), params)

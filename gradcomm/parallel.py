@@ -277,7 +277,8 @@ def _layout(
             return jnp.zeros(())
 
         probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
-        jax.eval_shape(probe_map, params)
+        with _base.shapes_only():
+            jax.eval_shape(probe_map, params)
         new = [f or g for f, g in zip(flags, found, strict=True)]
         if new == flags:
             return flags

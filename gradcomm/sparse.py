@@ -52,7 +52,9 @@ def check_selector(selector: str) -> None:
 def check_density(density: Any, arg: str = "density") -> float:
     """A density in (0, 1], as a float."""
     if isinstance(density, bool) or not isinstance(density, int | float | np.floating):
-        raise ValueError(f"{arg} must be a number in (0, 1], got {density!r}")
+        raise ValueError(
+            f"{arg} must be a number in (0, 1], got {density!r}" + _base.static_hint(density, arg)
+        )
     if not (0 < density <= 1):
         raise ValueError(f"{arg} must be in (0, 1], got {density!r}")
     return float(density)

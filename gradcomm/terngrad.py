@@ -63,7 +63,15 @@ class TernGradState(NamedTuple):
     key: jax.Array  # uint32 key data of jax.random.key(seed)
 
 
-def _check_clip(clip: float | None) -> None:
+def _check_clip(clip: float | jax.Array | None) -> None:
+    """A positive finite number, None, or a traced float scalar (`optax.inject_hyperparams`
+    passes hyperparameters as traced values; those are used as they come)."""
+    if isinstance(clip, jax.core.Tracer) and jnp.ndim(clip) == 0:
+        if not jnp.issubdtype(clip.dtype, jnp.floating):
+            raise ValueError(f"clip must be a float, got a traced {clip.dtype}")
+        return
+    if isinstance(clip, jax.Array | np.ndarray) and np.ndim(clip) == 0:
+        clip = float(clip)
     if clip is not None and not (
         isinstance(clip, int | float) and math.isfinite(clip) and clip > 0
     ):
@@ -394,7 +402,7 @@ def terngrad(
     _check_clip(clip)
     _check_dense(dense)
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+        raise ValueError(f"seed must be an int, got {seed!r}" + _base.static_hint(seed, "seed"))
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
 
