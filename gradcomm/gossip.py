@@ -37,14 +37,25 @@ TopologySpec = str | topologies.Topology | Callable[[int], topologies.Topology]
 class SgpState(NamedTuple):
     """State of `sgp`: step counter, push-sum weight, and tau messages in flight.
 
-    `in_flight` holds, per delay slot, the numerator (params-shaped) and weight received
-    but not yet mixed in; slot 0 is mixed in next.
+    `in_flight` holds, per delay slot, the numerator (params-shaped, with a leading slot
+    axis of size tau) and `in_flight_weight` the weight (shape (tau,)) received but not yet
+    mixed in; slot 0 is mixed in next. With `overlap=0` nothing is ever in flight and both
+    are empty tuples `()`, leafless pytree nodes that checkpoints (orbax) save and restore,
+    where zero-size arrays would not save.
+
+    Example:
+      >>> import jax.numpy as jnp, gradcomm
+      >>> gradcomm.sgp("data").init(jnp.zeros(3)).in_flight
+      ()
+      >>> state = gradcomm.sgp("data", overlap=2).init(jnp.zeros(3))
+      >>> state.in_flight.shape, state.in_flight_weight.shape
+      ((2, 3), (2,))
     """
 
     count: jax.Array
     weight: jax.Array
     in_flight: Any
-    in_flight_weight: jax.Array
+    in_flight_weight: jax.Array | tuple[()]
 
 
 class DpsgdState(NamedTuple):
@@ -196,13 +207,17 @@ def sgp(
         )
 
     def init_fn(params: Any) -> SgpState:
-        slots = jax.tree.map(lambda p: jnp.zeros((overlap, *p.shape), p.dtype), params)
         dtype = _weight_dtype(params)
+        if overlap:
+            slots = jax.tree.map(lambda p: jnp.zeros((overlap, *p.shape), p.dtype), params)
+            slots_w = jnp.zeros([overlap], dtype)
+        else:  # nothing in flight: no arrays (zero-size ones do not checkpoint)
+            slots, slots_w = (), ()
         return SgpState(
             count=_base.zero_count(),
             weight=jnp.ones([], dtype),
             in_flight=slots,
-            in_flight_weight=jnp.zeros([overlap], dtype),
+            in_flight_weight=slots_w,
         )
 
     def update_fn(

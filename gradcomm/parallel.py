@@ -206,6 +206,60 @@ def _per_device_leaves(state: Any, spec: P) -> list[bool]:
     return flags
 
 
+def _check_copies(tree: Any, n: int, what: str, hint: str) -> None:
+    """Raises unless every leaf of a per-device tree holds exactly `n` copies."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        shape = np.shape(x)
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"{what} {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, but "
+                f"per-device values need a leading axis of one copy per data-parallel "
+                f"device, {n} on this mesh; {hint}"
+            )
+
+
+_RELAY_HINT = (
+    "per-device state (residuals, keys, push-sum weights, each device's optimizer "
+    "moments) belongs to the devices that made it and cannot be re-laid onto another "
+    "number of devices. Restore it onto a mesh with as many data-parallel devices as it "
+    "was saved from, or start this state afresh on this mesh with "
+    "`parallel.init_state(tx, params, mesh)` (replicated leaves, such as step counts and "
+    "the moments of an optimizer after an all-reduce, restore onto any mesh)"
+)
+
+
+def _check_state_layout(
+    state: Any, flags: Sequence[bool], local: Any, n: int, names: tuple[str, ...]
+) -> None:
+    """Raises for state leaves whose device axis does not fit the mesh (see `TrainStep`).
+
+    `local` holds one device's state shapes (`tx.init`'s): a per-device leaf must have
+    shape `(n, *local)`, a replicated one `local`.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    local_leaves = jax.tree.leaves(local)
+    if len(local_leaves) != len(leaves):
+        return  # not this transformation's state: its update reports the mismatch
+    for (path, x), want, per_device in zip(leaves, local_leaves, flags, strict=True):
+        shape, name = tuple(np.shape(x)), jax.tree_util.keystr(path) or "<root>"
+        if shape == tuple(want.shape) or shape[1:] != tuple(want.shape):
+            continue  # replicated as expected, or a mismatch the update reports
+        if per_device and shape[0] != n:
+            raise ValueError(
+                f"state leaf {name} holds {shape[0]} per-device copies (shape {shape}), "
+                f"but this mesh has {n} data-parallel devices; {_RELAY_HINT}"
+            )
+        if not per_device:
+            raise ValueError(
+                f"state leaf {name} has a leading device axis of {shape[0]} copies (shape "
+                f"{shape}) but is not sharded over the data axes {names}; "
+                f"pass the state as `parallel.init_state` placed it: restore a checkpoint "
+                f"with the shardings of `init_state`'s state (for example "
+                f"`jax.tree.map(orbax.checkpoint.utils.to_shape_dtype_struct, state)` as "
+                f"the restore target)"
+            )
+
+
 def _state_specs(state: Any, flags: Sequence[bool], spec: P) -> Any:
     _leaves, treedef = jax.tree.flatten(state)
     return jax.tree.unflatten(treedef, [spec if f else P() for f in flags])
@@ -313,6 +367,9 @@ def init_state(
     names = _axes(mesh, axes)
     spec = device_spec(mesh, names)
     param_spec = spec if params_per_device else P()
+    if params_per_device:
+        hint = "place one copy per device with `parallel.per_device(params, mesh)`"
+        _check_copies(params, num_shards(mesh, names), "param", hint)
     params = _place(params, NamedSharding(mesh, param_spec))
     flags = _layout(tx, params, mesh, names, params_per_device)
 
@@ -329,7 +386,10 @@ class TrainStep:
 
     Call it as `params, state, metrics = step(params, state, batch)` with a state from
     `init_state` (or restored from a checkpoint with its shardings); host inputs are placed
-    on the mesh first. `step.lower(params, state, batch)` lowers it, which is what
+    on the mesh first. A replicated state leaf restores onto a mesh of any size; a
+    per-device one (and per-device params) only onto as many data-parallel devices as
+    made it: other counts raise a `ValueError` that says what to do.
+    `step.lower(params, state, batch)` lowers it, which is what
     `gradcomm.wire.measure(step, params, state, batch)` uses.
     """
 
@@ -348,6 +408,7 @@ class TrainStep:
         self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
         self._spec = device_spec(mesh, names)
         self._param_spec = self._spec if params_per_device else P()
+        self._num_shards = num_shards(mesh, names)
         self._compiled: dict[Any, Any] = {}
 
     def _body(self, flags: list[bool]) -> Callable[..., Any]:
@@ -385,14 +446,17 @@ class TrainStep:
         return body
 
     def _jitted(self, params: Any, state: Any) -> Any:
-        if math.prod(self._mesh.shape[n] for n in self._names) == 1:
+        if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
             # leaf's sharding, which then cannot say which leaves are per device.
             flags = _layout(self._tx, params, self._mesh, self._names, self._params_per_device)
         else:
             flags = _per_device_leaves(state, self._spec)
-        key = (jax.tree.structure(state), tuple(flags))
+        shapes = tuple(np.shape(x) for x in jax.tree.leaves(state))
+        key = (jax.tree.structure(state), tuple(flags), shapes)
         if key not in self._compiled:
+            local = jax.eval_shape(self._tx.init, _local_shapes(params, self._params_per_device))
+            _check_state_layout(state, flags, local, self._num_shards, self._names)
             state_specs = _state_specs(state, flags, self._spec)
             mapped = jax.shard_map(
                 self._body(flags),
@@ -405,6 +469,13 @@ class TrainStep:
 
     def _place(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, Any]:
         mesh = self._mesh
+        if self._params_per_device:
+            hint = (
+                "per-device params carry one copy per device (`parallel.per_device(params, "
+                "mesh)`); to move them to another number of devices, pick one copy "
+                "(`parallel.host_copy(params, per_device=True)`) and place it again"
+            )
+            _check_copies(params, self._num_shards, "param", hint)
         return (
             _place(params, NamedSharding(mesh, self._param_spec)),
             state,

@@ -26,10 +26,11 @@ def gossip_fn(steps, **kwargs):
             z, state = carry
             delta, state = tx.update(jnp.zeros_like(z), state, z)
             z = z + delta
-            flight = (
-                jnp.sum(state.in_flight, axis=0) if kwargs.get("overlap") else jnp.zeros_like(z)
-            )
-            return (z, state), (z, state.weight, flight, jnp.sum(state.in_flight_weight))
+            if kwargs.get("overlap"):
+                flight, flight_w = jnp.sum(state.in_flight, 0), jnp.sum(state.in_flight_weight)
+            else:  # nothing in flight: the state holds no in-flight arrays
+                flight, flight_w = jnp.zeros_like(z), jnp.zeros([], state.weight.dtype)
+            return (z, state), (z, state.weight, flight, flight_w)
 
         _, history = lax.scan(body, (z, state), None, length=steps)
         return history
@@ -173,6 +174,8 @@ def test_state_errors_and_arguments():
     tx = gradcomm.sgp("data", overlap=2)
     state = tx.init({"w": jnp.ones(3)})
     assert state.in_flight["w"].shape == (2, 3) and state.in_flight_weight.shape == (2,)
+    state = gradcomm.sgp("data").init({"w": jnp.ones(3)})
+    assert state.in_flight == () and state.in_flight_weight == ()  # no zero-size arrays
     with pytest.raises(ValueError, match="needs params"):
         jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="needs params"):
