@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Step time on an emulated network: every method against allreduce, on shaped links.
 
-    sudo python experiments/bench_network.py                   # the default grid, ~40 min
+    sudo python experiments/bench_network.py                   # the default grid, ~30 min
     python experiments/bench_network.py --nodes 2,4 --rates 100mbit,unshaped --steps 10
 
 For each node count N and link rate, the script builds a cluster of N hosts (network

@@ -93,8 +93,10 @@ def test_gossip_on_gloo_by_hand():
 def test_adasum_by_hand():
     # N = 2 on gloo: a swap of S/2 (1.40 s) and an all-gather with output S (1.06 s).
     assert pm.predict("adasum", P, 2, LINK, backend=pm.GLOO).comm_s == pytest.approx(2.46)
+    # Pairwise: the swap of S/2 and the doubling gather (a swap of S/2) run as 2-member
+    # reduce-scatters at full duplex (0.75 s each): allreduce's 1.5 s.
     assert pm.predict("adasum", P, 2, LINK, backend=pm.GLOO_PAIRWISE).comm_s == pytest.approx(
-        0.75 + 1.06
+        0.75 + 0.75
     )
     # N = 4: swaps of S/2 and S/4 (at 2.80 s per S), then the all-gather (1.14 s).
     assert pm.predict("adasum", P, 4, LINK, backend=pm.GLOO).comm_s == pytest.approx(
@@ -106,7 +108,7 @@ def test_adasum_by_hand():
         assert adasum == pytest.approx(pm.predict("allreduce", 1000, n, 1.0).wire_bytes)
     # N = 6: device 4 + i folds into i (a model-sized permute), then the tree of 4.
     kinds = [c.kind for c in pm.pattern("adasum", 1000, 6)]
-    assert kinds == ["permute", "swap", "allgather", "swap", "allgather", "allgather"]
+    assert kinds == ["permute", "swap", "allgather", "swap", "allgather", "doubling_gather"]
     # With S = 4000 bytes: 4000 (fold) + 2000 + 1000 (swaps) + (5/6) 6000 (all-gather).
     assert pm.predict("adasum", 1000, 6, 1.0).wire_bytes == pytest.approx(12000)
 
@@ -459,3 +461,17 @@ def test_cli_runs_as_a_module():
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: python -m gradcomm.perfmodel")
+
+
+def test_hierarchical_baseline_rings_every_device():
+    # 2 hosts x 2 devices: allreduce's ring of 4 crosses each host's link once, carrying
+    # 2 (4 - 1) / 4 of the model; the hierarchical Adasum's cross-host traffic is the flat
+    # 2-host Adasum's (each local device carries half).
+    cal = pm.Calibration(pm.NCCL, {(2, 2): 0.0}, {}, {}, P)
+    record = {"method": "adasum", "options": {"local_axis": "local"}, "nodes": 2,
+              "devices_per_process": 2, "params": P, "param_bytes": 4 * P,
+              "rate_mbit": 100.0, "link_mbit_measured": 95.8}  # fmt: skip
+    ring = cal.predict_record(record, "allreduce").comm_s
+    assert ring == pytest.approx(2 * 3 / 4 * 8 * 4 * P / 95.8e6)
+    flat = pm.predict("adasum", P, 2, LINK).comm_s
+    assert cal.predict_record(record).comm_s == pytest.approx(flat)

@@ -26,12 +26,16 @@ def _calibration_json(cal: Calibration) -> dict[str, Any]:
 
 
 def _fit(
-    network: str, backend: Literal["gloo", "gloo-pairwise"], nodes: int | None
+    network: str, backend: Literal["auto", "gloo", "gloo-pairwise"], nodes: int | None
 ) -> dict[str, Any]:
     """Prints the fit to `network` and the crossover table; returns them for --json."""
     with open(network) as f:
         records = json.load(f)
+    if backend == "auto":  # the records say how the benchmark's swaps ran
+        pairwise = any(r.get("exchange") == "pairwise" for r in records)
+        backend = "gloo-pairwise" if pairwise else "gloo"
     cal = calibrate(records, backend=GLOO if backend == "gloo" else GLOO_PAIRWISE)
+
     rows = fit_report(records, cal)
     nodes = nodes or max(r["nodes"] for r in records)
     methods = {"allreduce": ("allreduce", "allreduce", {})}
@@ -42,6 +46,8 @@ def _fit(
     compute = ", ".join(f"{n} x {d}: {v:.3f} s" for (n, d), v in sorted(cal.base_s.items()))
     link = ", ".join(f"{n}: {v:.3g} Gbit/s" for n, v in sorted(cal.unshaped_gbps.items()))
     print(f"## The model's fit to {network}\n")
+    swaps = "2-member collectives" if backend == "gloo-pairwise" else "permutes"
+    print(f"Backend: {backend} (swaps run as {swaps}).")
     print(f"Compute per allreduce step (nodes x devices per process): {compute}.")
     print(f"Unshaped link, effective (nodes: bandwidth): {link or 'none fitted'}.\n")
     print(fit_markdown(rows))
@@ -61,9 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("network", nargs="?", help="network.json; without it, the papers only")
     parser.add_argument(
         "--backend",
-        choices=["gloo", "gloo-pairwise"],
-        default="gloo",
-        help="how the benchmark's swaps ran: as permutes, or as 2-member reduce-scatters",
+        choices=["auto", "gloo", "gloo-pairwise"],
+        default="auto",
+        help="how the benchmark's swaps ran: as permutes, or as 2-member reduce-scatters; "
+        "auto reads each record's `exchange`",
     )
     parser.add_argument("--nodes", type=int, help="hosts in the crossover table (default: most)")
     parser.add_argument("--json", help="also write the fit, calibration and checks to this file")

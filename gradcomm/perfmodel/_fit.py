@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -27,6 +27,12 @@ def _group(r: Record) -> Group:
     return r["nodes"], r.get("devices_per_process", 1)
 
 
+def _ring(r: Record) -> int:
+    """The allreduce baseline's ring: every device of the cell. With L devices per host the
+    ring crosses each host's link once, carrying 2 (nL - 1) / (nL) of the model."""
+    return r["nodes"] * r.get("devices_per_process", 1)
+
+
 def _itemsize(r: Record) -> int:
     return r["param_bytes"] // r["params"]
 
@@ -45,7 +51,9 @@ class Calibration:
     Attributes:
       backend: the backend, with allreduce's factors refitted to the shaped cells.
       base_s: (nodes, devices per process) -> the allreduce step's compute, in seconds.
-      cost_per_byte: `key(method, options)` -> extra compute per model byte, in seconds.
+      cost_per_byte: `key(method, options)` -> extra compute per model byte, in seconds,
+        on the reference group (fewest devices per process, then fewest nodes); in another
+        group it scales with that group's allreduce compute (`settings`).
       unshaped_gbps: nodes -> an unshaped link's effective bandwidth (inf: no cost seen).
       params, itemsize: the benchmark model's.
     """
@@ -62,13 +70,16 @@ class Calibration:
     ) -> dict[str, Any]:
         """`predict` keyword arguments for a method on the calibrated machine.
 
-        The compute is the calibrated one of the nearest node count measured.
+        The compute is the calibrated one of the nearest node count measured, and the
+        method's extra compute scales with it.
         """
         near = min(self.base_s, key=lambda g: (g[1] != per_process, abs(g[0] - nodes)))
+        ref = self.base_s[_reference(self.base_s)]
+        slower = self.base_s[near] / ref if ref > 0 else 1.0
         return {
             "backend": self.backend,
             "compute_s": self.base_s[near],
-            "cost_per_byte": self.cost_per_byte.get(key(method, options), 0.0),
+            "cost_per_byte": self.cost_per_byte.get(key(method, options), 0.0) * slower,
             "itemsize": self.itemsize,
         }
 
@@ -78,17 +89,29 @@ class Calibration:
         gbps = _gbps(r) or self.unshaped_gbps.get(r["nodes"], math.inf)
         kw = self.settings(m, o, *_group(r)) | {"compute_s": self.base_s[_group(r)]}
         amortize = r.get("timing") != "median"
-        return predict(m, r["params"], r["nodes"], gbps, options=o, amortize=amortize, **kw)
+        nodes = _ring(r) if m == "allreduce" else r["nodes"]
+        return predict(m, r["params"], nodes, gbps, options=o, amortize=amortize, **kw)
+
+
+def _reference(groups: Iterable[Group]) -> Group:
+    """The group whose compute the extra costs are quoted at: fewest devices per process,
+    then fewest nodes."""
+    return min(groups, key=lambda g: (g[1], g[0]))
 
 
 def _fit_unshaped(
     rec: Sequence[Record], backend: Backend
 ) -> tuple[dict[Group, float], dict[int, float], dict[str, float]]:
-    """Least squares over unshaped cells: compute per group, 1 / bandwidth per N, extras."""
+    """Least squares over unshaped cells: compute per group, 1 / bandwidth per N, extras.
+
+    A method's extra compute is quoted at the reference group and scales with each
+    group's compute (N processes sharing a machine's cores run everything slower): the
+    extras' column holds base_g / base_ref, refitted until the bases settle.
+    """
     rows: list[tuple[Group, str | None, float, float]] = []  # group, key, step, comm at 1 Gbit/s
     for r in (r for r in rec if _gbps(r) is None):
         kw = {"backend": backend, "itemsize": _itemsize(r)}
-        ar = predict("allreduce", r["params"], r["nodes"], 1.0, **kw)
+        ar = predict("allreduce", r["params"], _ring(r), 1.0, **kw)
         rows.append((_group(r), None, r["allreduce_step_s"], ar.comm_s))
         if r["method"] != "allreduce":
             kw |= {"options": r.get("options"), "amortize": r.get("timing") != "median"}
@@ -101,22 +124,29 @@ def _fit_unshaped(
     links = sorted({n for n, _ in groups})
     inverse = dict.fromkeys(links, 0.0)
     y = np.array([t for _, _, t, _ in rows])
-    while True:  # drop the link terms that come out negative, and refit
+    scale = dict.fromkeys(groups, 1.0)
+    for _ in range(50):
         a = np.zeros((len(rows), len(groups) + len(links) + len(keys)))
         for i, (g, k, _, c) in enumerate(rows):
             a[i, groups.index(g)] = 1.0
             if g[0] in links:
                 a[i, len(groups) + links.index(g[0])] = c
             if k:
-                a[i, len(groups) + len(links) + keys.index(k)] = 1.0
+                a[i, len(groups) + len(links) + keys.index(k)] = scale[g]
         x = np.linalg.lstsq(a / y[:, None], np.ones(len(rows)), rcond=None)[0]
         base, x = x[: len(groups)], x[len(groups) :]
         fitted = {n: float(v) for n, v in zip(links, x, strict=False)}
-        if all(v >= 0 for v in fitted.values()):
-            extra = {k: float(v) for k, v in zip(keys, x[len(links) :], strict=True)}
-            base_s = {g: max(float(v), 0.0) for g, v in zip(groups, base, strict=True)}
-            return base_s, inverse | fitted, extra
-        links = [n for n in links if fitted[n] >= 0]
+        if any(v < 0 for v in fitted.values()):  # drop negative link terms, and refit
+            links = [n for n in links if fitted[n] >= 0]
+            continue
+        extra = {k: float(v) for k, v in zip(keys, x[len(links) :], strict=True)}
+        base_s = {g: max(float(v), 0.0) for g, v in zip(groups, base, strict=True)}
+        ref = base_s[_reference(groups)]
+        new = {g: base_s[g] / ref if ref > 0 else 1.0 for g in groups}
+        if max(abs(new[g] - scale[g]) for g in groups) < 1e-9:
+            break
+        scale = new
+    return base_s, inverse | fitted, extra
 
 
 def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibration:
@@ -125,7 +155,8 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
     From the unshaped cells, by least squares on relative error: the allreduce step's
     compute per (nodes, devices per process), an unshaped link's effective bandwidth per
     node count (a link term that comes out negative is dropped), and one extra compute
-    cost per method and options, the same at every node count. From the shaped cells:
+    cost per method and options, quoted at the reference group and scaled by each
+    group's compute (processes that share cores slow down alike). From the shaped cells:
     allreduce's pattern factor per node count, the median of (allreduce step - compute) /
     ideal ring time; where a group has no unshaped cell, its compute is the intercept of a
     line through its shaped allreduce steps (or, at a single rate, what the pattern table
@@ -151,7 +182,7 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
     shaped: dict[Group, list[tuple[float, float]]] = {}  # group: (step, ideal comm)
     for r in rec:
         if (gbps := _gbps(r)) is not None:
-            ideal = predict("allreduce", r["params"], r["nodes"], gbps, itemsize=_itemsize(r))
+            ideal = predict("allreduce", r["params"], _ring(r), gbps, itemsize=_itemsize(r))
             shaped.setdefault(_group(r), []).append((r["allreduce_step_s"], ideal.comm_s))
     fitted = backend
     for _ in range(3):  # the unshaped fit uses allreduce's refitted factors: iterate
@@ -163,12 +194,12 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
             if len(set(ideal)) > 1:  # no unshaped cell: a line through the shaped allreduce
                 base[g] = max(float(np.polyfit(ideal, steps, 1)[1]), 0.0)
             else:  # one rate: what the pattern table's factor leaves
-                f = backend.factor("allreduce", g[0])
+                f = backend.factor("allreduce", g[0] * g[1])
                 base[g] = max(statistics.median(t - f * c for t, c in obs), 0.0)
         factors = dict(backend.factors)
-        for n in sorted({n for n, _ in shaped}):
-            ratios = [(t - base[g]) / c for g in shaped if g[0] == n for t, c in shaped[g] if c]
-            factors[("allreduce", n)] = statistics.median(ratios)
+        for n in sorted({a * b for a, b in shaped}):  # per ring size
+            ratios = [(t - base[g]) / c for g in shaped if g[0] * g[1] == n for t, c in shaped[g]]
+            factors[("allreduce", n)] = statistics.median(r for r in ratios if r)
         fitted = dataclasses.replace(backend, factors=factors)
     first = rec[0] if rec else {"params": 1, "param_bytes": 4}
     return Calibration(

@@ -37,6 +37,7 @@ _ROUNDS = {
     "alltoall": 1,
     "permute": 0,
     "swap": 0,
+    "doubling_gather": 1,
 }
 _LAYERWISE = frozenset({"allreduce", "adasum", "terngrad", "lags", "gradient_dropping"})
 
@@ -119,6 +120,9 @@ class Backend:
             return self.factor("reduce_scatter", 2)
         if kind == "swap":
             return self.swap_factor
+        if kind == "doubling_gather":  # pairwise: one swap per level; else an all-gather
+            pairwise = self.swaps == "pairwise"
+            return self.factor("swap", 2) if pairwise else self.factor("allgather", n)
         sizes = sorted(m for k, m in self.factors if k == kind)
         if not sizes:
             return 1.0
@@ -185,7 +189,7 @@ def pattern(
     Example:
       >>> from gradcomm import perfmodel
       >>> [c.kind for c in perfmodel.pattern("adasum", 1000, 4)]
-      ['swap', 'allgather', 'swap', 'allgather', 'allgather']
+      ['swap', 'allgather', 'swap', 'allgather', 'doubling_gather']
     """
     o, n, size = dict(options or {}), nodes, float(params * itemsize)
     out: list[Collective] = []
@@ -199,7 +203,7 @@ def pattern(
             out.append(Collective("permute", n, size))
         for level in range(p.bit_length() - 1):
             out += [Collective("swap", 2, size / 2 ** (level + 1)), Collective("allgather", n, 0)]
-        out.append(Collective("allgather", n, n * size / p))
+        out.append(Collective("doubling_gather", n, n * size / p))
     elif method == "terngrad":  # base-3 codes (1.6 bits), sums of n codes in base 2n + 1
         sum_bits = 32 / _values_per_word(2 * n + 1)
         out.append(Collective("allreduce", n, 0.0))  # the shared scales
