@@ -735,6 +735,12 @@ def plot_runs(results: Sequence[RunResult], fig: Any) -> None:
         ax.legend(fontsize=7)
 
 
+ONE_DEVICE = (
+    "One device: nothing crosses a wire, so every method sends 0 bytes and runs as local "
+    "training. Run on several devices (on a CPU, `--devices 8`) to compare what they send."
+)
+
+
 def results_table(results: Sequence[RunResult], baseline: str = "allreduce") -> str:
     """A Markdown table: accuracy, loss, bytes per step and step time against the baseline."""
     base = next((r for r in results if r.method == baseline), results[0])
@@ -745,9 +751,11 @@ def results_table(results: Sequence[RunResult], baseline: str = "allreduce") -> 
     ]
     for r in results:
         final = float(np.mean(r.losses[-10:]))
+        vs = f"{r.bytes_per_step / base.bytes_per_step:.3f}" if base.bytes_per_step else "-"
         rows.append(
             f"| {r.method} | {100 * r.test_accuracy:.2f}% | {final:.4f} "
-            f"| {r.bytes_per_step:,.0f} | {r.bytes_per_step / base.bytes_per_step:.3f} "
-            f"| {r.step_seconds / base.step_seconds:.2f}x |"
+            f"| {r.bytes_per_step:,.0f} | {vs} | {r.step_seconds / base.step_seconds:.2f}x |"
         )
+    if not any(r.bytes_per_step for r in results):
+        rows += ["", ONE_DEVICE]
     return "\n".join(rows)

@@ -28,7 +28,7 @@ Allocator: by default (`--allocator retain`) the workers run with glibc's malloc
 keep and reuse freed memory (`RETAIN_TUNABLES`). XLA:CPU allocates each step's
 temporaries afresh; glibc hands allocations of over 32 MiB, and any that land in a
 thread's arena, back to the kernel when freed, so the next step faults every page in
-again. On the gVisor VMs this was written on those page faults cost more than the
+again. On the Firecracker VMs this was written on those page faults cost more than the
 kernels: they doubled the step of the methods with large temporaries (LAGS, Adasum,
 dropping) and left allreduce's nearly alone. `--allocator default` measures glibc's
 defaults; each record says which ran.

@@ -105,37 +105,39 @@ def _merge_stats(stats: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _coefficients(totals: tuple[jax.Array, ...]) -> jax.Array:
-    """Per leaf (m_a, u_a, v_a, m_b, u_b, v_b, S): AS(a, b) = S (t_a + t_b), t = am u - am v.
+    """Per leaf (D_a, f_a, k_a, D_b, f_b, k_b, S): AS(a, b) = S (t_a + t_b), where with
+    a_s = a / D_a the term is t_a = a_s - k_a a_s if f_a else -(k_a a_s).
 
     eq. 8's `a` term is a (1 - c_a) for the coefficient c_a = a.b / (2|a|^2). With a' =
     a / Sa and b' = b / Sb the scaled operands (Sa, Sb exact powers of two), c_a = q_a
     (Sb / Sa) for q_a = a'.b' / (2|a'|^2), a number of order one at most 2 size. As
-    Horovod does, the coefficients come first, and the scale last: both terms are formed
-    at the scale of S = max(Sa, Sb), m_a = 1/S and n_a = 1 - c_a, summed, and only the
-    sum is multiplied by S. So an intermediate that would fall below the normal range
-    (a correction term of a pair near the float minimum) is never formed, and only a
-    result that is itself subnormal can flush. A term is t_a = (a m_a) u_a - (a m_a) v_a
-    with (u_a, v_a) = (1, c_a): XLA:CPU contracts it into one fused multiply-add, the
-    same on both members of a pair, and the sum of the two terms has no product to
-    contract, so both members compute the same bits. Where c_a exceeds 2^64 (b larger
-    than a by as much), a (1 - c_a) / S is -q_a (a / Sa) to within 2^-64: m_a = 1/Sa,
-    (u_a, v_a) = (0, q_a). q_a = 0 where a is zero; everything is NaN for a leaf whose
-    sums are not finite.
+    Horovod does, the coefficients come first and the scale last: both terms are formed
+    at the scale of S = max(Sa, Sb) (D_a = S, k_a = c_a), summed, and only the sum is
+    multiplied by S. So an intermediate that would fall below the normal range (the
+    correction term of a pair near the float minimum) is never formed, and only a result
+    that is itself subnormal can flush. Where c_a exceeds 2^64 (b larger than a by as
+    much), a (1 - c_a) / S is -q_a (a / Sa) to within 2^-64: D_a = Sa, k_a = q_a.
+
+    The division by an exact power of two is exact, and unlike a product it cannot be
+    contracted into a fused multiply-add: each term has one product (XLA:CPU contracts
+    `a_s - k a_s` into one FMA, the only one possible) and their sum has none. So every
+    device, and every compilation of the same step, computes the same bits. q_a = 0
+    where a is zero; everything is NaN for a leaf whose sums are not finite.
     """
     scale_a, scale_b, ab, aa, bb = totals
     bad = jnp.where(jnp.isfinite(ab) & jnp.isfinite(aa) & jnp.isfinite(bb), 0, jnp.nan)
     scale = jnp.maximum(scale_a, scale_b)
 
-    def inverse(s: jax.Array) -> jax.Array:  # exact: s is a power of two or 0
-        return 1 / jnp.where(s > 0, s, 1)
+    def positive(s: jax.Array) -> jax.Array:  # a divisor: a power of two, or 1 for zero
+        return jnp.where(s > 0, s, 1)
 
     def term(q: jax.Array, own: jax.Array, other: jax.Array) -> list[jax.Array]:
-        c = q * other * inverse(own)
+        c = q * other / positive(own)
         first = jnp.abs(c) <= 2.0**64
         return [
-            jnp.where(first, inverse(scale), inverse(own)),
-            jnp.where(first, 1, 0) + bad,
-            jnp.where(first, c, q),
+            jnp.where(first, positive(scale), positive(own)),
+            jnp.where(first, 1, 0),
+            jnp.where(first, c, q) + bad,
         ]
 
     qa = jnp.where(aa > 0, ab / (2 * aa), 0)
@@ -178,10 +180,14 @@ def _pair(
 
     def combine(x: jax.Array, y: jax.Array) -> jax.Array:
         x, y = x.astype(ct), y.astype(ct)
-        # x + y commutes bit for bit: both members of a pair would compute the same sum.
-        m_x, u_x, v_x, m_y, u_y, v_y, scale = (coef[..., i] for i in range(7))
-        x, y = x * m_x, y * m_y
-        out = ((x * u_x - x * v_x) + (y * u_y - y * v_y)) * scale
+        d_x, f_x, k_x, d_y, f_y, k_y, scale = (coef[..., i] for i in range(7))
+
+        def term(v: jax.Array, d: jax.Array, first: jax.Array, k: jax.Array) -> jax.Array:
+            v = v / d
+            return jnp.where(first > 0, v - k * v, -(k * v))
+
+        # The sum commutes bit for bit: both members of a pair compute the same result.
+        out = (term(x, d_x, f_x, k_x) + term(y, d_y, f_y, k_y)) * scale
         return out.astype(own.dtype)
 
     if not halves:

@@ -130,10 +130,13 @@ class WireReport:
     Attributes:
       collectives: every collective counted, in program order.
       exact: False if a while loop with an unknown trip count was counted once.
+      devices: the devices the program runs on (its partitions or replicas); on one,
+        nothing crosses a wire, and `table` says so.
     """
 
     collectives: tuple[Collective, ...]
     exact: bool = True
+    devices: int = 0
 
     @property
     def total(self) -> float:
@@ -156,6 +159,8 @@ class WireReport:
                 f"| {c.kind} | {c.payload:,.0f} | {c.group_size} | {c.count} | {c.sent:,.0f} |"
             )
         rows.append(f"| **total** | | | | **{self.total:,.0f}** |")
+        if self.devices == 1:
+            rows += ["", "One device: nothing crosses a wire (every collective is local)."]
         return "\n".join(rows)
 
     def to_json(self) -> str:
@@ -163,6 +168,7 @@ class WireReport:
             {
                 "total": self.total,
                 "exact": self.exact,
+                "devices": self.devices,
                 "by_kind": self.by_kind(),
                 "collectives": [dataclasses.asdict(c) for c in self.collectives],
             }
@@ -260,7 +266,7 @@ def analyze_hlo(text: str) -> WireReport:
         return tuple(found)
 
     collectives = cost(entry)
-    return WireReport(collectives, exact)
+    return WireReport(collectives, exact, devices)
 
 
 def measure(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:

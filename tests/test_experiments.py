@@ -84,6 +84,19 @@ def test_study_runs_and_writes_json_png_and_markdown(tmp_path, script):
 
 
 @pytest.mark.slow
+def test_compare_on_one_device_says_nothing_crosses_a_wire(tmp_path):
+    methods = ["--method", "allreduce,adasum,sgp"]
+    result = run(
+        "compare.py", "--devices", "1", "--epochs", "1", "--no-progress", *methods,
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
+    assert [r["bytes_per_step"] for r in runs] == [0, 0, 0]
+    assert "One device: nothing crosses a wire" in (tmp_path / "compare.md").read_text()
+
+
+@pytest.mark.slow
 def test_compare_runs_every_method_and_writes_json_png_and_markdown(tmp_path):
     result = run(
         "compare.py", "--devices", "2", "--epochs", "2", "--no-progress", "--out", str(tmp_path)

@@ -30,7 +30,9 @@ def test_psum_costs_two_n_minus_one_over_n(n):
     report = compiled_report(lambda x: lax.psum(x[0], "data"), n, (n, 1000))
     assert report.total == pytest.approx(2 * (n - 1) / n * 4000)
     assert set(report.by_kind()) == {"all-reduce"}
-    assert report.exact
+    assert report.exact and report.devices == n
+    one_device = "One device: nothing crosses a wire" in report.table()
+    assert one_device == (n == 1)
 
 
 def test_each_collective_kind():
