@@ -139,9 +139,14 @@ def num_shards(mesh: Mesh, axes: _base.AxisName | None = None) -> int:
 
 
 def _place(tree: Any, sharding: NamedSharding) -> Any:
-    """Puts every leaf on `sharding`, from host or device data, in one or many processes."""
+    """Puts every leaf on `sharding`, from host or device data, in one or many processes.
+
+    A `jax.ShapeDtypeStruct` leaf stays one, with `sharding`: what lowering needs.
+    """
 
     def place(x: Any) -> jax.Array:
+        if isinstance(x, jax.ShapeDtypeStruct):  # for lowering (`wire.measure`): no data
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         if isinstance(x, jax.Array):
             if x.sharding.is_equivalent_to(sharding, x.ndim):
                 return x
