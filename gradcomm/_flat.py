@@ -94,12 +94,12 @@ class FlatLayout:
             flat = jnp.ravel(leaf).astype(dtype)
             # Padded by whole blocks: XLA:CPU runs an elementwise pad of a fused producer
             # (an optimizer's update) about 3x slower than the producer alone.
-            whole = flat.size // b
+            whole, used = flat.size // b, -(-flat.size // b)
             blocks = [flat[: whole * b].reshape(whole, b)]
-            if whole * b < flat.size:
-                blocks.append(jnp.pad(flat[whole * b :], (0, (whole + 1) * b - flat.size))[None])
-            if self.rows * k > -(-flat.size // b):
-                blocks.append(jnp.zeros((self.rows * k - -(-flat.size // b), b), dtype))
+            if used > whole:  # the last, partial block
+                blocks.append(jnp.pad(flat[whole * b :], (0, used * b - flat.size))[None])
+            if self.rows * k > used:
+                blocks.append(jnp.zeros((self.rows * k - used, b), dtype))
             parts.append(jnp.concatenate(blocks).reshape(self.rows, k, b))
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 

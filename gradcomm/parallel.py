@@ -451,14 +451,18 @@ class TrainStep:
         return body
 
     def _jitted(self, params: Any, state: Any) -> Any:
+        shapes = tuple(np.shape(x) for x in jax.tree.leaves(state))
         if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
-            # leaf's sharding, which then cannot say which leaves are per device.
+            # leaf's sharding, which then cannot say which leaves are per device; the
+            # transformation's layout says, once per state structure (it traces an update).
+            key = (jax.tree.structure(state), shapes)
+            if key in self._compiled:
+                return self._compiled[key]
             flags = _layout(self._tx, params, self._mesh, self._names, self._params_per_device)
         else:
             flags = _per_device_leaves(state, self._spec)
-        shapes = tuple(np.shape(x) for x in jax.tree.leaves(state))
-        key = (jax.tree.structure(state), tuple(flags), shapes)
+            key = (jax.tree.structure(state), tuple(flags), shapes)
         if key not in self._compiled:
             local = jax.eval_shape(self._tx.init, _local_shapes(params, self._params_per_device))
             _check_state_layout(state, flags, local, self._num_shards, self._names)
