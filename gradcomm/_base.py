@@ -226,7 +226,10 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     step runs at full speed both ways on gloo. The rows are the same bits on every
     device, which the result's type then says (`assume_invariant`).
     """
-    held = x[None]
+    # Materialized once: each step reads `held` twice (the exchange and the select), and
+    # XLA:CPU would otherwise fuse and recompute its producer (Adasum's last combine)
+    # in each reader, at the cost of several passes over the buffer.
+    held = lax.optimization_barrier(x)[None]
     for level, name in enumerate(_bit_axes(axis_name)):
         received = exchange(held, axis_name, 1 << level)
         upper = lax.axis_index(name) == 1  # this device's rows come second

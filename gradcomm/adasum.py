@@ -204,36 +204,33 @@ def _bit_reversed(width: int) -> np.ndarray:
 
 
 def _group_stats(
-    axis_name: _base.AxisName, size: int, in_tree: int, index: jax.Array, pairwise: bool
+    axis_name: _base.AxisName,
+    size: int,
+    in_tree: int,
+    index: jax.Array,
+    pairwise: bool,
+    local_axis: _base.AxisName | None = None,
 ) -> Callable[[jax.Array], jax.Array]:
     """Stats of the aligned group of `size` devices that holds one pair, in device order.
 
     Over size-2 axes the group spans the pair axes of the distances below `size`, and one
     all-gather over them collects it; otherwise all devices gather and each picks its group.
+    With `local_axis`, each group device's node-mates hold slices of the pair too: the
+    members are every (local device, group device), local-major, gathered in the same
+    all-gather where the axes are size-2 ones.
     """
+    local = () if local_axis is None else _base.axis_names(local_axis)
     if pairwise:
         axes = tuple(_base.pair_axis(axis_name, 1 << j) for j in range(size.bit_length() - 1))
-        return lambda stats: lax.all_gather(stats, axes[::-1])
+        return lambda stats: lax.all_gather(stats, local + axes[::-1])
 
     def gather(stats: jax.Array) -> jax.Array:
         gathered = lax.all_gather(stats, axis_name)[:in_tree]
         grouped = gathered.reshape(in_tree // size, size, *stats.shape)
-        return lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
-
-    return gather
-
-
-def _with_local(
-    group: Callable[[jax.Array], jax.Array] | None, local_axis: _base.AxisName | None
-) -> Callable[[jax.Array], jax.Array] | None:
-    """The group's stats, also gathered from the devices of `local_axis` (their slices)."""
-    if local_axis is None:
-        return group
-
-    def gather(stats: jax.Array) -> jax.Array:
-        members = stats[None] if group is None else group(stats)
-        every = lax.all_gather(members, local_axis)  # (local, members, 5, leaves)
-        return every.reshape(-1, *every.shape[2:])
+        members = lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
+        if not local:
+            return members
+        return lax.all_gather(members, local).reshape(-1, *stats.shape)
 
     return gather
 
@@ -270,7 +267,7 @@ def _adasum_fused(
         x = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True) / per_node
     if folded:
         partner = _base.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
-        whole = _with_local(None, local_axis)
+        whole = None if local_axis is None else lambda stats: lax.all_gather(stats, local_axis)
         x = lax.cond(index < folded, lambda: _pair(x, partner, layout, group=whole), lambda: x)
     if levels:
         rows = (index % in_tree) ^ jnp.asarray(_bit_reversed(levels), index.dtype)
@@ -283,8 +280,7 @@ def _adasum_fused(
         else:
             pairs = [(i, i ^ distance) for i in range(in_tree)]
             received = _base.ppermute(send, axis_name, pairs)
-        group = _group_stats(axis_name, 2 * distance, in_tree, index, pairwise)
-        group = _with_local(group, local_axis)
+        group = _group_stats(axis_name, 2 * distance, in_tree, index, pairwise, local_axis)
         if level + 1 < levels:
             own, send = _pair(own, received, layout, own_is_b, group, halves=True)
         else:
