@@ -21,6 +21,7 @@ from gradcomm.dropping import (
     gradient_dropping,
     local_sgd,
 )
+from gradcomm.finite import apply_if_finite
 from gradcomm.gossip import DpsgdState, SgpState, consensus_distance, dpsgd, sgp
 from gradcomm.lags import (
     LagsPlan,
@@ -52,6 +53,7 @@ __all__ = [
     "adasum_pair",
     "adasum_reduce",
     "allreduce",
+    "apply_if_finite",
     "consensus_distance",
     "dpsgd",
     "gradient_dropping",

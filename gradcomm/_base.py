@@ -347,7 +347,9 @@ def check_updates(tree: Any, axis_name: AxisName, who: str) -> None:
                 f"entered shard_map replicated (in_specs=P()). Differentiate with respect "
                 f"to per-device parameters, `params = jax.lax.pcast(params, {name!r}, "
                 f"to='varying')` before `jax.grad`, or use gradcomm.parallel.train_step, "
-                f"which does this."
+                f"which does this. (If they come from optimizer state that entered "
+                f"replicated, such as optax.MultiSteps' accumulator, that state differs per "
+                f"device: lay it out with gradcomm.parallel.init_state and train_step.)"
             )
 
 

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -302,6 +303,79 @@ def _mean(params: Any, names: tuple[str, ...]) -> Any:
     return jax.tree.map(lambda x: _base.vary(x, names), lax.pmean(params, names))
 
 
+_NO_OPERAND = object()
+
+
+def _select(index: Any, outs: Sequence[Any]) -> Any:
+    """The branch outputs joined by `index`: each leaf typed as varying where any branch's is."""
+    index = jnp.asarray(index).astype(jnp.int32)
+
+    def pick(*xs: jax.Array) -> jax.Array:
+        out = xs[0]
+        for i, x in enumerate(xs[1:], 1):
+            out = jnp.where(index == i, x, out)
+        return out.astype(xs[0].dtype)
+
+    return jax.tree.map(pick, *outs)
+
+
+def _joined_cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any,
+                 operand: Any = _NO_OPERAND) -> Any:  # fmt: skip
+    operands = operands if operand is _NO_OPERAND else (operand,)
+    return _select(pred, [false_fun(*operands), true_fun(*operands)])
+
+
+def _joined_switch(index: Any, branches: Sequence[Callable], *operands: Any,
+                   operand: Any = _NO_OPERAND) -> Any:  # fmt: skip
+    operands = operands if operand is _NO_OPERAND else (operand,)
+    return _select(index, [branch(*operands) for branch in branches])
+
+
+@contextlib.contextmanager
+def _joined_branches() -> Any:
+    """While the layout is probed, `lax.cond` and `lax.switch` run every branch and select.
+
+    A real `cond` needs its branches to agree on which values vary over the data axes.
+    Wrappers such as `optax.MultiSteps` return a state leaf unchanged in one branch and
+    recomputed from this device's gradients in the other, so until the leaf is known to
+    be per device, tracing fails and the fixed point cannot find it. Selected, each output
+    is typed as varying wherever any branch makes it vary: the layout the real `cond`
+    needs. The probe only reads types, so running every branch costs nothing.
+    """
+    saved = lax.cond, lax.switch
+    lax.cond, lax.switch = _joined_cond, _joined_switch
+    try:
+        yield
+    finally:
+        lax.cond, lax.switch = saved
+
+
+def _check_decisions(shapes: Any, flags: Sequence[bool]) -> None:
+    """Raises where an optax wrapper's skip decision would differ between devices."""
+    guards = (optax.ApplyIfFiniteState, optax.MultiStepsState)
+    flag_tree = jax.tree.unflatten(jax.tree.structure(shapes), flags)
+
+    def is_guard(x: Any) -> bool:
+        return isinstance(x, guards)
+
+    for node in jax.tree.leaves(flag_tree, is_leaf=is_guard):
+        if isinstance(node, optax.ApplyIfFiniteState) and node.last_finite:
+            raise ValueError(
+                "optax.apply_if_finite here tests this device's own updates, so one device "
+                "could skip a step, and the collectives in it, that the others take. Use "
+                "gradcomm.apply_if_finite(inner, max_consecutive_errors, axis_name), whose "
+                "decision every device shares, or place optax.apply_if_finite after the "
+                "method has reduced the updates."
+            )
+        if isinstance(node, optax.MultiStepsState) and node.mini_step:
+            raise ValueError(
+                "optax.MultiSteps here decides per device whether to skip (its "
+                "should_skip_update_fn reads this device's own updates), so devices could "
+                "disagree about the step. Give it a skip function whose answer every device "
+                "shares, or guard the inner transformation with gradcomm.apply_if_finite."
+            )
+
+
 def _layout(
     tx: optax.GradientTransformation,
     params: Any,
@@ -336,10 +410,11 @@ def _layout(
             return jnp.zeros(())
 
         probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
-        with _base.shapes_only():
+        with _base.shapes_only(), _joined_branches():
             jax.eval_shape(probe_map, params)
         new = [f or g for f, g in zip(flags, found, strict=True)]
         if new == flags:
+            _check_decisions(shapes, flags)
             return flags
         flags = new
 

@@ -1,0 +1,102 @@
+"""Skipping non-finite steps with one decision for every device.
+
+`optax.apply_if_finite` tests the updates it receives. Wrapped around a gradcomm method,
+those are this device's own: one device with an overflow skips the step, and with it the
+method's collectives, while the others wait for it. `apply_if_finite` here reduces the flag
+first, so every device skips or applies together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from gradcomm import _base
+
+
+def apply_if_finite(
+    inner: optax.GradientTransformation,
+    max_consecutive_errors: int,
+    axis_name: _base.AxisName = "data",
+) -> optax.GradientTransformationExtraArgs:
+    """`optax.apply_if_finite` whose decision is the same on every device.
+
+    A step is skipped on every device when the updates of any device hold a NaN or an
+    infinity, unless more than `max_consecutive_errors` steps in a row were. A skipped step
+    returns zero updates and keeps the inner state. The flag is reduced over `axis_name`
+    (one `pmin` of a scalar) before the inner transformation runs, and the inner
+    transformation runs on every step, its result selected, so no device leaves a
+    collective that another enters.
+
+    Args:
+      inner: the transformation to guard, typically a chain holding a gradcomm method.
+      max_consecutive_errors: how many non-finite steps in a row are skipped; the next one
+        is applied (a non-negative int).
+      axis_name: the mesh axis, or tuple of axes, the devices share the decision over.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is `optax.ApplyIfFiniteState`,
+      so optax's tools that read it keep working.
+
+    Raises:
+      ValueError: at construction for a malformed axis name or a negative or non-integer
+        `max_consecutive_errors`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, gradcomm
+      >>> tx = gradcomm.apply_if_finite(
+      ...     optax.chain(gradcomm.allreduce("data"), optax.sgd(1.0)), 3, "data")
+      >>> grads = jnp.array([[1.0], [jnp.nan]])  # device 1 alone overflowed
+      >>> step = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(step, axis_name="data")(grads)  # skipped on both
+      Array([[0.],
+             [0.]], dtype=float32)
+
+    References:
+      optax.apply_if_finite, with the flag shared as Horovod and PyTorch's gradient scalers
+      share theirs across workers.
+    """
+    _base.check_axis_name(axis_name)
+    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
+        raise ValueError(f"max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
+    if max_consecutive_errors < 0:
+        raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> optax.ApplyIfFiniteState:
+        return optax.ApplyIfFiniteState(
+            notfinite_count=jnp.zeros([], jnp.int32),
+            last_finite=jnp.array(True),
+            total_notfinite=jnp.zeros([], jnp.int32),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(
+        updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, optax.ApplyIfFiniteState]:
+        here = jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+        everywhere = lax.pmin(_base.vary(here.astype(jnp.int32), axis_name), axis_name)
+        finite = everywhere == 1
+        count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
+        accept = finite | (count > max_consecutive_errors)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+        return jax.tree.map(lambda u: jnp.where(accept, u, jnp.zeros_like(u)), new_updates), (
+            optax.ApplyIfFiniteState(
+                notfinite_count=count,
+                last_finite=finite,
+                total_notfinite=jnp.where(
+                    finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)
+                ),
+                inner_state=jax.tree.map(
+                    lambda new, old: jnp.where(accept, new, old).astype(old.dtype),
+                    new_inner,
+                    state.inner_state,
+                ),
+            )
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
