@@ -204,3 +204,144 @@ def test_measure_a_train_step_from_shapes():
     real = wire.measure(step, params, state, batch)
     from_shapes = wire.measure(step, shapes(params), shapes(state), shapes(batch))
     assert from_shapes.total == real.total > 0
+
+
+# ----------------------------------------------------------------------------- branches
+
+
+def test_an_unnamed_conditional_costs_its_largest_branch_in_every_figure():
+    n = 4
+
+    def f(x):
+        x = x[0]
+        summed = lambda v: lax.pcast(lax.psum(v, "data"), "data", to="varying")  # noqa: E731
+        shifted = lambda v: lax.ppermute(v, "data", [(i, (i + 1) % n) for i in range(n)])  # noqa: E731
+        return lax.cond(x[0] > 0, summed, shifted, x)[None]
+
+    report = compiled_report(f, n, (n, 100), out_specs=P("data"))
+    largest = 2 * (n - 1) / n * 400
+    assert report.total == report.steady == report.average == largest
+    assert report.period == 1
+    [cond] = report.conditionals
+    assert not cond.named
+    assert [b.label for b in cond.branches] == [b.computation for b in cond.branches]
+    assert sorted(b.sent for b in cond.branches) == [400, largest]
+    assert "unnamed: charged in full" in report.table()
+
+
+# Named branches nested in a while loop: a dense warm-up, else a switch over two phases.
+NESTED = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%phase0 (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %cp = f32[1024]{0} collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, \
+metadata={op_name="jit(f)/while/body/cond/branch_0_fun/gradcomm.wire.branch[sparse]/switch/\
+branch_0_fun/gradcomm.wire.branch[phase 0|every=2]/ppermute"}
+}
+
+%phase1 (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %h = f32[512]{0} slice(%x), slice={[0:512]}, metadata={op_name="jit(f)/while/body/cond/\
+branch_0_fun/gradcomm.wire.branch[sparse]/switch/branch_1_fun/\
+gradcomm.wire.branch[phase 1|every=2]/slice"}
+  %cp = f32[512]{0} collective-permute(%h), source_target_pairs={{0,2},{1,3},{2,0},{3,1}}, \
+metadata={op_name="jit(f)/while/body/cond/branch_0_fun/gradcomm.wire.branch[sparse]/switch/\
+transpose(jvp(branch_1_fun/gradcomm.wire.branch[phase 1|every=2]))/ppermute"}
+  ROOT %r = f32[1024]{0} concatenate(%cp, %cp), dimensions={0}
+}
+
+%sparse (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %i = s32[] constant(1), metadata={op_name="jit(f)/while/body/cond/branch_0_fun/\
+gradcomm.wire.branch[sparse]/rem"}
+  ROOT %switch = f32[1024]{0} conditional(%i, %x, %x), branch_computations={%phase0, %phase1}, \
+metadata={op_name="jit(f)/while/body/cond/branch_0_fun/gradcomm.wire.branch[sparse]/switch"}
+}
+
+%dense (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %ar = f32[1024]{0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add, \
+metadata={op_name="jit(f)/while/body/cond/branch_1_fun/gradcomm.wire.branch[dense|first=10]/psum"}
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[1024]{0} get-tuple-element(%t), index=1
+  %p = pred[] constant(false)
+  %c = f32[1024]{0} conditional(%p, %v, %v), true_computation=%dense, false_computation=%sparse, \
+metadata={op_name="jit(f)/while/body/cond"}
+  ROOT %o = (s32[], f32[1024]{0}) tuple(%i, %c)
+}
+
+%cond (t: (s32[], f32[1024])) -> pred[] {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+%big (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %cp = f32[1024]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}, \
+metadata={op_name="jit(f)/gradcomm.wire.branch[outer|every=5]/cond/branch_1_fun/ppermute"}
+}
+
+%small (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %s = f32[256]{0} slice(%x), slice={[0:256]}
+  %cp = f32[256]{0} collective-permute(%s), source_target_pairs={{0,1},{1,0}}, \
+metadata={op_name="jit(f)/gradcomm.wire.branch[outer|every=5]/cond/branch_0_fun/ppermute"}
+  ROOT %r = f32[1024]{0} concatenate(%cp, %cp, %cp, %cp), dimensions={0}
+}
+
+ENTRY %main (p: f32[1024]) -> f32[4096] {
+  %p = f32[1024]{0} parameter(0)
+  %k = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%k, %p)
+  %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %v = f32[1024]{0} get-tuple-element(%w), index=1
+  %q = pred[] constant(true)
+  %u = f32[1024]{0} conditional(%q, %v, %v), true_computation=%big, false_computation=%small, \
+metadata={op_name="jit(f)/gradcomm.wire.branch[outer|every=5]/cond"}
+  ROOT %ag = f32[4096]{0} all-gather(%u), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""
+
+
+def test_nested_named_branches_in_a_loop_and_a_scope_around_a_conditional():
+    report = wire.analyze_hlo(NESTED)
+    dense, phases = 2 * 3 / 4 * 4096, (4096 + 2048) / 2
+    big, gathered = 4096, 3 / 4 * 4 * 4096
+    # Per loop iteration: the dense warm-up at worst, else the mean of the two phases.
+    assert report.total == 3 * dense + big + gathered
+    assert report.steady == report.average == 3 * phases + big + gathered
+    assert report.period == 2 and report.exact
+    body, switch, outer = report.conditionals
+    assert (body.count, switch.count, outer.count) == (3, 3, 1)
+    assert [(b.label, b.first, b.sent) for b in body.branches] == [
+        ("dense", 10, dense),
+        ("sparse", None, 4096),
+    ]
+    assert [(b.label, b.every, b.sent) for b in switch.branches] == [
+        ("phase 0", 2, 4096),
+        ("phase 1", 2, 2048),
+    ]
+    # A scope opened around the conditional, not in its branches, names none of them.
+    assert not outer.named and [b.label for b in outer.branches] == ["big", "small"]
+
+
+def test_branch_checks_its_arguments():
+    for bad in ("", "a/b", "x[1]", "a|b", 'say "hi"', "two\nlines", 3):
+        with pytest.raises(ValueError, match="label"):
+            wire.branch(bad)
+    for kwargs in ({"every": 0}, {"first": -1}, {"every": True}, {"first": 2.0}):
+        with pytest.raises(ValueError, match="positive int"):
+            wire.branch("x", **kwargs)
+    with pytest.raises(ValueError, match="either"):
+        wire.branch("x", every=2, first=3)
