@@ -32,7 +32,10 @@ conditionals in full:
 A conditional whose branches name nothing (a user's `lax.cond`) costs its largest branch
 in all three, so it is never under-counted; in one that is named, a branch that names
 nothing runs on the other steps. Nested conditionals compose, and a conditional in a
-while loop counts as often as the loop runs.
+while loop counts as often as the loop runs. gradcomm's own schedules are named:
+gradient dropping's warm-up, SGP's all-reduce steps and gossip phases, and the periodic
+parameter averaging of `local_sgd`, `gradient_dropping(average_every=k)` and
+`gradcomm.parallel.train_step`.
 
 Example:
   >>> import jax, jax.numpy as jnp, gradcomm

@@ -1,5 +1,7 @@
 """gradcomm.wire: bytes per device read from compiled programs."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,6 +209,137 @@ def test_measure_a_train_step_from_shapes():
 
 
 # ----------------------------------------------------------------------------- branches
+
+PARAMS = {"w": np.zeros((100, 10), np.float32), "b": np.zeros(10, np.float32)}
+
+
+def step_text(tx, per_device, n=8):
+    """The compiled HLO of one real train step of `tx` on a linear model over n devices."""
+    mesh = mesh_of(n)
+    params = (parallel.per_device if per_device else parallel.replicate)(PARAMS, mesh)
+    state = parallel.init_state(tx, params, mesh, params_per_device=per_device)
+    step = parallel.train_step(
+        lambda p, b: jnp.sum(b["x"] @ p["w"] + p["b"]), tx, mesh, params_per_device=per_device
+    )
+    batch = {"x": np.ones((2 * n, 100), np.float32)}
+    return step.lower(params, state, batch).compile().as_text()
+
+
+def step_report(tx, per_device, n=8):
+    return wire.analyze_hlo(step_text(tx, per_device, n))
+
+
+def unnamed(text):
+    """The report of a program as if no branch were named (what `measure` gave before)."""
+    return wire.analyze_hlo(text.replace("gradcomm.wire.branch", "some.scope"))
+
+
+def params_mean(n=8):
+    """Bytes of one exact parameter average, measured on its own."""
+    mesh = mesh_of(n)
+    mean = jax.shard_map(
+        lambda p: lax.pmean(p, "data"), mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+    )
+    return wire.measure(jax.jit(mean), parallel.replicate(PARAMS, mesh)).total
+
+
+def branches(report):
+    return {b.label: (b.every, b.first) for c in report.conditionals for b in c.branches}
+
+
+def test_gradient_dropping_steady_skips_the_warm_up_and_average_amortizes_averaging():
+    k = 4
+
+    def dropping(warmup, every):
+        return optax.chain(
+            gradcomm.gradient_dropping(
+                "data", drop_ratio=0.9, local="compensated", warmup_steps=warmup,
+                average_every=every,
+            ),
+            optax.sgd(0.1),
+        )  # fmt: skip
+
+    text = step_text(dropping(5, k), per_device=True)
+    report, before = wire.analyze_hlo(text), unnamed(text)
+    sparse = step_report(dropping(0, None), per_device=True)  # the sparse step alone
+    mean = params_mean()
+    assert before.total == before.steady == before.average > sparse.total + mean
+    assert report.total == before.total  # the worst case, as before: dense and averaging
+    assert report.steady == sparse.total
+    assert report.average == pytest.approx(sparse.total + mean / k, rel=1e-12)
+    assert report.period == k
+    assert branches(report) == {
+        "warm-up": (None, 5),
+        "sparse": (None, None),
+        "average params": (k, None),
+        "otherwise": (None, None),
+    }
+    table = report.table()
+    assert "| **steady** |" in table and f"| **average** over {k} steps |" in table
+    assert "| warm-up | first 5 steps |" in table and f"| average params | 1 step in {k} |" in table
+    data = json.loads(report.to_json())
+    assert data["steady"] == report.steady and data["period"] == k
+    assert {b["label"] for c in data["conditionals"] for b in c["branches"]} == set(
+        branches(report)
+    )
+
+
+def test_local_sgd_through_train_step_averages_one_step_in_k():
+    k = 5
+    text = step_text(optax.chain(optax.sgd(0.1), gradcomm.local_sgd(every=k)), True)
+    report = wire.analyze_hlo(text)
+    alone = step_report(optax.sgd(0.1), per_device=True)  # what runs between averages
+    mean = params_mean()
+    assert report.total == unnamed(text).average == alone.total + mean
+    assert report.steady == alone.total
+    assert report.average == pytest.approx(alone.total + mean / k, rel=1e-12)
+    assert report.period == k
+    assert branches(report) == {"average params": (k, None), "otherwise": (None, None)}
+
+
+def test_local_sgd_outside_train_step_names_its_average_too():
+    k, n = 3, 4
+    tx = gradcomm.local_sgd("data", every=k)
+
+    def f(p):
+        p = p[0]
+        return tx.update(jnp.zeros_like(p), tx.init(p), p)[0][None]
+
+    report = compiled_report(f, n, (n, 100), out_specs=P("data"))
+    assert report.total == 2 * (n - 1) / n * 400
+    assert report.steady == 0 and report.average == pytest.approx(report.total / k, rel=1e-12)
+    assert branches(report) == {"average params": (k, None), "otherwise": (None, None)}
+
+
+def test_sgp_steady_is_gossip_after_its_all_reduce_steps():
+    from gradcomm import topology
+
+    text = step_text(optax.chain(optax.sgd(0.1), gradcomm.sgp(allreduce_steps=3)), True)
+    report = wire.analyze_hlo(text)
+    gossip = step_report(optax.chain(optax.sgd(0.1), gradcomm.sgp()), True)
+    phases = topology.resolve("exponential", 8).num_phases
+    assert report.steady == report.average == gossip.total < report.total
+    assert report.total == unnamed(text).steady  # before: the exact all-reduce every step
+    assert report.period == phases
+    outer, switch = report.conditionals
+    assert [(b.label, b.first) for b in outer.branches] == [("gossip", None), ("all-reduce", 3)]
+    # One branch per phase, each on one step in num_phases, nested in the gossip branch.
+    assert [(b.label, b.every) for b in switch.branches] == [
+        (f"phase {i}", phases) for i in range(phases)
+    ]
+    assert switch.computation == outer.branches[0].computation
+
+
+def test_a_switch_over_unequal_phases_charges_their_mean():
+    # D-PSGD on the bidirectional exponential graph of 8: 2, 2 and 1 peers per phase.
+    report = step_report(optax.chain(optax.sgd(0.1), gradcomm.dpsgd()), True)
+    [switch] = report.conditionals
+    sent = [b.sent for b in switch.branches]
+    assert [b.every for b in switch.branches] == [3, 3, 3]
+    assert sent[0] == sent[1] == 2 * sent[2] > 0
+    outside = report.total - max(sent)
+    assert report.steady == report.average == pytest.approx(outside + sum(sent) / 3, rel=1e-12)
+    assert report.period == 3
 
 
 def test_an_unnamed_conditional_costs_its_largest_branch_in_every_figure():
