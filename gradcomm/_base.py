@@ -431,10 +431,34 @@ class ParamsAveraging(NamedTuple):
 DEFER_AVERAGING = "defer_params_averaging"
 
 
+_AVERAGING_PERIODS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "gradcomm_averaging_periods", default=None
+)
+
+
+@contextlib.contextmanager
+def averaging_periods() -> Iterator[list[int]]:
+    """Within: `averaging_due` adds each period it is traced with to the list it yields.
+
+    `parallel.train_step` traces the update within, so that it can name its averaging
+    branch with its period for `gradcomm.wire` (the `ParamsAveraging` marker carries
+    only the traced flag).
+    """
+    periods: list[int] = []
+    token = _AVERAGING_PERIODS.set(periods)
+    try:
+        yield periods
+    finally:
+        _AVERAGING_PERIODS.reset(token)
+
+
 def averaging_due(count: jax.Array, every: int | None) -> jax.Array:
     """Whether the step that increments `count` is an averaging step: steps every, 2 every, ..."""
     if every is None:
         return jnp.zeros([], bool)
+    periods = _AVERAGING_PERIODS.get()
+    if periods is not None:
+        periods.append(every)
     return (count + 1) % every == 0
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _base, sparse
+from gradcomm import _base, sparse, wire
 
 LOCAL_MODES = (None, "sum", "compensated")
 
@@ -227,7 +227,11 @@ def gradient_dropping(
         elif warmup_steps == 0:
             combined, kept = steady()
         else:
-            combined, kept = lax.cond(state.count < warmup_steps, warming, steady)
+            combined, kept = lax.cond(
+                state.count < warmup_steps,
+                wire.branch("warm-up", first=warmup_steps)(warming),
+                wire.branch("sparse")(steady),
+            )
 
         out, new_residuals = list(leaves), list(residuals)
         for j, i in enumerate(ids):
@@ -303,7 +307,8 @@ def local_sgd(
                 target = lax.pmean(jax.tree.map(jnp.add, params, updates), axis_name)
                 return jax.tree.map(jnp.subtract, target, params)
 
-            updates = lax.cond(due, averaged, lambda u: u, updates)
+            named = wire.branch("average params", every=every)(averaged)
+            updates = lax.cond(due, named, lambda u: u, updates)
         new_state = LocalSgdState(
             count=optax.safe_increment(state.count), averaging=_base.ParamsAveraging(due=due)
         )

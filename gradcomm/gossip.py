@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _base
+from gradcomm import _base, wire
 from gradcomm import topology as topologies
 from gradcomm._flat import FlatLayout
 
@@ -91,10 +91,14 @@ def _mix(
             received_w = received_w + send(w * share, move)
         return kept, received, w * share, received_w
 
-    branches = [functools.partial(phase, moves) for moves in graph.phases]
-    if len(branches) == 1:
-        return branches[0]()
-    return lax.switch(count % len(branches), branches)
+    num = graph.num_phases
+    if num == 1:
+        return phase(graph.phases[0])
+    branches = [
+        wire.branch(f"phase {k}", every=num)(functools.partial(phase, moves))
+        for k, moves in enumerate(graph.phases)
+    ]
+    return lax.switch(count % num, branches)
 
 
 def _weight_dtype(params: Any) -> jax.typing.DTypeLike:
@@ -266,7 +270,11 @@ def sgp(
             )
 
         if allreduce_steps:
-            mixed, new_w, queue, queue_w = lax.cond(state.count < allreduce_steps, exact, gossip)
+            mixed, new_w, queue, queue_w = lax.cond(
+                state.count < allreduce_steps,
+                wire.branch("all-reduce", first=allreduce_steps)(exact),
+                wire.branch("gossip")(gossip),
+            )
         else:
             mixed, new_w, queue, queue_w = gossip()
         x_new = _unpack(x, layouts, groups, mixed)

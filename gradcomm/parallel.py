@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,7 +41,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _base
+from gradcomm import _base, wire
 
 
 def make_mesh(
@@ -500,14 +501,18 @@ class TrainStep:
             # over the devices; the transformation must see each device's own gradient.
             out, grads = self._grad_fn(jax.tree.map(lambda x: _base.vary(x, names), params), batch)
             loss, aux = out if self._has_aux else (out, {})
-            updates, state = tx.update(
-                grads, _unstack(state, flags), params, **{_base.DEFER_AVERAGING: True}
-            )
+            with _base.averaging_periods() as periods:
+                updates, state = tx.update(
+                    grads, _unstack(state, flags), params, **{_base.DEFER_AVERAGING: True}
+                )
             params = optax.apply_updates(params, updates)
             if self._params_per_device:
                 due = _averaging_due(state)
                 if due is not None:  # the exact mean, the same bits on every device
-                    params = lax.cond(due, lambda p: _mean(p, names), lambda p: p, params)
+                    average = functools.partial(_mean, names=names)
+                    if len(set(periods)) == 1:  # a known schedule: named for gradcomm.wire
+                        average = wire.branch("average params", every=periods[0])(average)
+                    params = lax.cond(due, average, lambda p: p, params)
                 params = jax.tree.map(lambda x: x[None], params)
             else:
                 for path, leaf in jax.tree_util.tree_leaves_with_path(params):

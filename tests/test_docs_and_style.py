@@ -10,7 +10,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
-MODULES = ["gradcomm.adasum", "gradcomm.dense", "gradcomm.finite", "gradcomm.parallel", "gradcomm.wire"]
+MODULES = [
+    "gradcomm.adasum",
+    "gradcomm.dense",
+    "gradcomm.finite",
+    "gradcomm.parallel",
+    "gradcomm.wire",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

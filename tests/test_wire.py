@@ -1,5 +1,7 @@
 """gradcomm.wire: bytes per device read from compiled programs."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,3 +206,275 @@ def test_measure_a_train_step_from_shapes():
     real = wire.measure(step, params, state, batch)
     from_shapes = wire.measure(step, shapes(params), shapes(state), shapes(batch))
     assert from_shapes.total == real.total > 0
+
+
+# ----------------------------------------------------------------------------- branches
+
+PARAMS = {"w": np.zeros((100, 10), np.float32), "b": np.zeros(10, np.float32)}
+
+
+def step_text(tx, per_device, n=8):
+    """The compiled HLO of one real train step of `tx` on a linear model over n devices."""
+    mesh = mesh_of(n)
+    params = (parallel.per_device if per_device else parallel.replicate)(PARAMS, mesh)
+    state = parallel.init_state(tx, params, mesh, params_per_device=per_device)
+    step = parallel.train_step(
+        lambda p, b: jnp.sum(b["x"] @ p["w"] + p["b"]), tx, mesh, params_per_device=per_device
+    )
+    batch = {"x": np.ones((2 * n, 100), np.float32)}
+    return step.lower(params, state, batch).compile().as_text()
+
+
+def step_report(tx, per_device, n=8):
+    return wire.analyze_hlo(step_text(tx, per_device, n))
+
+
+def unnamed(text):
+    """The report of a program as if no branch were named (what `measure` gave before)."""
+    return wire.analyze_hlo(text.replace("gradcomm.wire.branch", "some.scope"))
+
+
+def params_mean(n=8):
+    """Bytes of one exact parameter average, measured on its own."""
+    mesh = mesh_of(n)
+    mean = jax.shard_map(
+        lambda p: lax.pmean(p, "data"), mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+    )
+    return wire.measure(jax.jit(mean), parallel.replicate(PARAMS, mesh)).total
+
+
+def branches(report):
+    return {b.label: (b.every, b.first) for c in report.conditionals for b in c.branches}
+
+
+def test_gradient_dropping_steady_skips_the_warm_up_and_average_amortizes_averaging():
+    k = 4
+
+    def dropping(warmup, every):
+        return optax.chain(
+            gradcomm.gradient_dropping(
+                "data", drop_ratio=0.9, local="compensated", warmup_steps=warmup,
+                average_every=every,
+            ),
+            optax.sgd(0.1),
+        )  # fmt: skip
+
+    text = step_text(dropping(5, k), per_device=True)
+    report, before = wire.analyze_hlo(text), unnamed(text)
+    sparse = step_report(dropping(0, None), per_device=True)  # the sparse step alone
+    mean = params_mean()
+    assert before.total == before.steady == before.average > sparse.total + mean
+    assert report.total == before.total  # the worst case, as before: dense and averaging
+    assert report.steady == sparse.total
+    assert report.average == pytest.approx(sparse.total + mean / k, rel=1e-12)
+    assert report.period == k
+    assert branches(report) == {
+        "warm-up": (None, 5),
+        "sparse": (None, None),
+        "average params": (k, None),
+        "otherwise": (None, None),
+    }
+    table = report.table()
+    assert "| **steady** |" in table and f"| **average** over {k} steps |" in table
+    assert "| warm-up | first 5 steps |" in table and f"| average params | 1 step in {k} |" in table
+    data = json.loads(report.to_json())
+    assert data["steady"] == report.steady and data["period"] == k
+    assert {b["label"] for c in data["conditionals"] for b in c["branches"]} == set(
+        branches(report)
+    )
+
+
+def test_local_sgd_through_train_step_averages_one_step_in_k():
+    k = 5
+    text = step_text(optax.chain(optax.sgd(0.1), gradcomm.local_sgd(every=k)), True)
+    report = wire.analyze_hlo(text)
+    alone = step_report(optax.sgd(0.1), per_device=True)  # what runs between averages
+    mean = params_mean()
+    assert report.total == unnamed(text).average == alone.total + mean
+    assert report.steady == alone.total
+    assert report.average == pytest.approx(alone.total + mean / k, rel=1e-12)
+    assert report.period == k
+    assert branches(report) == {"average params": (k, None), "otherwise": (None, None)}
+
+
+def test_local_sgd_outside_train_step_names_its_average_too():
+    k, n = 3, 4
+    tx = gradcomm.local_sgd("data", every=k)
+
+    def f(p):
+        p = p[0]
+        return tx.update(jnp.zeros_like(p), tx.init(p), p)[0][None]
+
+    report = compiled_report(f, n, (n, 100), out_specs=P("data"))
+    assert report.total == 2 * (n - 1) / n * 400
+    assert report.steady == 0 and report.average == pytest.approx(report.total / k, rel=1e-12)
+    assert branches(report) == {"average params": (k, None), "otherwise": (None, None)}
+
+
+def test_sgp_steady_is_gossip_after_its_all_reduce_steps():
+    from gradcomm import topology
+
+    text = step_text(optax.chain(optax.sgd(0.1), gradcomm.sgp(allreduce_steps=3)), True)
+    report = wire.analyze_hlo(text)
+    gossip = step_report(optax.chain(optax.sgd(0.1), gradcomm.sgp()), True)
+    phases = topology.resolve("exponential", 8).num_phases
+    assert report.steady == report.average == gossip.total < report.total
+    assert report.total == unnamed(text).steady  # before: the exact all-reduce every step
+    assert report.period == phases
+    outer, switch = report.conditionals
+    assert [(b.label, b.first) for b in outer.branches] == [("gossip", None), ("all-reduce", 3)]
+    # One branch per phase, each on one step in num_phases, nested in the gossip branch.
+    assert [(b.label, b.every) for b in switch.branches] == [
+        (f"phase {i}", phases) for i in range(phases)
+    ]
+    assert switch.computation == outer.branches[0].computation
+
+
+def test_a_switch_over_unequal_phases_charges_their_mean():
+    # D-PSGD on the bidirectional exponential graph of 8: 2, 2 and 1 peers per phase.
+    report = step_report(optax.chain(optax.sgd(0.1), gradcomm.dpsgd()), True)
+    [switch] = report.conditionals
+    sent = [b.sent for b in switch.branches]
+    assert [b.every for b in switch.branches] == [3, 3, 3]
+    assert sent[0] == sent[1] == 2 * sent[2] > 0
+    outside = report.total - max(sent)
+    assert report.steady == report.average == pytest.approx(outside + sum(sent) / 3, rel=1e-12)
+    assert report.period == 3
+
+
+def test_an_unnamed_conditional_costs_its_largest_branch_in_every_figure():
+    n = 4
+
+    def f(x):
+        x = x[0]
+        summed = lambda v: lax.pcast(lax.psum(v, "data"), "data", to="varying")  # noqa: E731
+        shifted = lambda v: lax.ppermute(v, "data", [(i, (i + 1) % n) for i in range(n)])  # noqa: E731
+        return lax.cond(x[0] > 0, summed, shifted, x)[None]
+
+    report = compiled_report(f, n, (n, 100), out_specs=P("data"))
+    largest = 2 * (n - 1) / n * 400
+    assert report.total == report.steady == report.average == largest
+    assert report.period == 1
+    [cond] = report.conditionals
+    assert not cond.named
+    assert [b.label for b in cond.branches] == [b.computation for b in cond.branches]
+    assert sorted(b.sent for b in cond.branches) == [400, largest]
+    assert "unnamed: charged in full" in report.table()
+
+
+# Named branches nested in a while loop: a dense warm-up, else a switch over two phases.
+NESTED = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%phase0 (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %cp = f32[1024]{0} collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, \
+metadata={op_name="jit(f)/while/body/cond/branch_0_fun/gradcomm.wire.branch[sparse]/switch/\
+branch_0_fun/gradcomm.wire.branch[phase 0|every=2]/ppermute"}
+}
+
+%phase1 (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %h = f32[512]{0} slice(%x), slice={[0:512]}, metadata={op_name="jit(f)/while/body/cond/\
+branch_0_fun/gradcomm.wire.branch[sparse]/switch/branch_1_fun/\
+gradcomm.wire.branch[phase 1|every=2]/slice"}
+  %cp = f32[512]{0} collective-permute(%h), source_target_pairs={{0,2},{1,3},{2,0},{3,1}}, \
+metadata={op_name="jit(f)/while/body/cond/branch_0_fun/gradcomm.wire.branch[sparse]/switch/\
+transpose(jvp(branch_1_fun/gradcomm.wire.branch[phase 1|every=2]))/ppermute"}
+  ROOT %r = f32[1024]{0} concatenate(%cp, %cp), dimensions={0}
+}
+
+%sparse (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %i = s32[] constant(1), metadata={op_name="jit(f)/while/body/cond/branch_0_fun/\
+gradcomm.wire.branch[sparse]/rem"}
+  ROOT %switch = f32[1024]{0} conditional(%i, %x, %x), branch_computations={%phase0, %phase1}, \
+metadata={op_name="jit(f)/while/body/cond/branch_0_fun/gradcomm.wire.branch[sparse]/switch"}
+}
+
+%dense (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %ar = f32[1024]{0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add, \
+metadata={op_name="jit(f)/while/body/cond/branch_1_fun/gradcomm.wire.branch[dense|first=10]/psum"}
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[1024]{0} get-tuple-element(%t), index=1
+  %p = pred[] constant(false)
+  %c = f32[1024]{0} conditional(%p, %v, %v), true_computation=%dense, false_computation=%sparse, \
+metadata={op_name="jit(f)/while/body/cond"}
+  ROOT %o = (s32[], f32[1024]{0}) tuple(%i, %c)
+}
+
+%cond (t: (s32[], f32[1024])) -> pred[] {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+%big (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %cp = f32[1024]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}, \
+metadata={op_name="jit(f)/gradcomm.wire.branch[outer|every=5]/cond/branch_1_fun/ppermute"}
+}
+
+%small (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %s = f32[256]{0} slice(%x), slice={[0:256]}
+  %cp = f32[256]{0} collective-permute(%s), source_target_pairs={{0,1},{1,0}}, \
+metadata={op_name="jit(f)/gradcomm.wire.branch[outer|every=5]/cond/branch_0_fun/ppermute"}
+  ROOT %r = f32[1024]{0} concatenate(%cp, %cp, %cp, %cp), dimensions={0}
+}
+
+ENTRY %main (p: f32[1024]) -> f32[4096] {
+  %p = f32[1024]{0} parameter(0)
+  %k = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%k, %p)
+  %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %v = f32[1024]{0} get-tuple-element(%w), index=1
+  %q = pred[] constant(true)
+  %u = f32[1024]{0} conditional(%q, %v, %v), true_computation=%big, false_computation=%small, \
+metadata={op_name="jit(f)/gradcomm.wire.branch[outer|every=5]/cond"}
+  ROOT %ag = f32[4096]{0} all-gather(%u), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""
+
+
+def test_nested_named_branches_in_a_loop_and_a_scope_around_a_conditional():
+    report = wire.analyze_hlo(NESTED)
+    dense, phases = 2 * 3 / 4 * 4096, (4096 + 2048) / 2
+    big, gathered = 4096, 3 / 4 * 4 * 4096
+    # Per loop iteration: the dense warm-up at worst, else the mean of the two phases.
+    assert report.total == 3 * dense + big + gathered
+    assert report.steady == report.average == 3 * phases + big + gathered
+    assert report.period == 2 and report.exact
+    body, switch, outer = report.conditionals
+    assert (body.count, switch.count, outer.count) == (3, 3, 1)
+    assert [(b.label, b.first, b.sent) for b in body.branches] == [
+        ("dense", 10, dense),
+        ("sparse", None, 4096),
+    ]
+    assert [(b.label, b.every, b.sent) for b in switch.branches] == [
+        ("phase 0", 2, 4096),
+        ("phase 1", 2, 2048),
+    ]
+    # A scope opened around the conditional, not in its branches, names none of them.
+    assert not outer.named and [b.label for b in outer.branches] == ["big", "small"]
+
+
+def test_branch_checks_its_arguments():
+    for bad in ("", "a/b", "x[1]", "a|b", 'say "hi"', "two\nlines", 3):
+        with pytest.raises(ValueError, match="label"):
+            wire.branch(bad)
+    for kwargs in ({"every": 0}, {"first": -1}, {"every": True}, {"first": 2.0}):
+        with pytest.raises(ValueError, match="positive int"):
+            wire.branch("x", **kwargs)
+    with pytest.raises(ValueError, match="either"):
+        wire.branch("x", every=2, first=3)
