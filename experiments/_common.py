@@ -350,15 +350,11 @@ class Method:
       name: the method's name.
       tx: the transformation, chained with the inner optimizer.
       per_device: whether devices hold different params (local gradients, local SGD).
-      steady_tx: the same without warm-up or parameter averaging, for bytes per step.
-      average_every: the parameter averaging period, if any (amortized in bytes per step).
     """
 
     name: str
     tx: optax.GradientTransformation
     per_device: bool = False
-    steady_tx: optax.GradientTransformation | None = None
-    average_every: int | None = None
 
 
 def make_method(
@@ -407,16 +403,12 @@ def make_method(
             name,
             optax.chain(dropping(warmup_steps, every), opt),
             per_device=local is not None,
-            steady_tx=optax.chain(dropping(0, None), opt),
-            average_every=every,
         )
     if name == "local-sgd":
         return Method(
             name,
             optax.chain(opt, gradcomm.local_sgd(axis, every=local_every)),
             per_device=True,
-            steady_tx=opt,
-            average_every=local_every,
         )
     if name in ("sgp", "osgp"):
         tx = gradcomm.sgp(axis, overlap=1 if name == "osgp" else 0)
@@ -491,30 +483,19 @@ def on_devices(
 def bytes_per_step(
     method: Method, loss_fn: Callable[..., Any], mesh: Any, params: Any, batch: Any
 ) -> float:
-    """Bytes one device sends per step after warm-up, averaging amortized over its period.
+    """Bytes one device sends per step after warm-up, averaged over the method's period.
 
-    Read from compiled programs: the step without warm-up and averaging (the wire model
-    would charge a conditional's largest branch, the dense one, on every step), plus one
-    exact parameter average (a psum of the params) divided by its period.
+    `wire.measure(step).average` of the real step, read from its compiled program: a
+    warm-up branch is dropped, a periodic one (parameter averaging, a gossip phase) is
+    charged at its frequency.
     """
-    tx = method.steady_tx or method.tx
     host = parallel.host_copy(params, per_device=method.per_device)
     placed = (parallel.per_device if method.per_device else parallel.replicate)(host, mesh)
-    state = parallel.init_state(tx, placed, mesh, params_per_device=method.per_device)
-    step = parallel.train_step(loss_fn, tx, mesh, has_aux=True, params_per_device=method.per_device)
-    total = gradcomm.wire.measure(step, placed, state, batch).total
-    if method.average_every:
-        mean = jax.shard_map(
-            lambda p: jax.lax.pmean(p, mesh.axis_names),
-            mesh=mesh,
-            in_specs=P(),
-            out_specs=P(),
-            check_vma=False,
-        )
-        total += gradcomm.wire.measure(jax.jit(mean), parallel.replicate(host, mesh)).total / (
-            method.average_every
-        )
-    return total
+    state = parallel.init_state(method.tx, placed, mesh, params_per_device=method.per_device)
+    step = parallel.train_step(
+        loss_fn, method.tx, mesh, has_aux=True, params_per_device=method.per_device
+    )
+    return gradcomm.wire.measure(step, placed, state, batch).average
 
 
 def train(
