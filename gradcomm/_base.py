@@ -272,12 +272,13 @@ def assume_invariant(x: jax.Array, axis_name: AxisName) -> jax.Array:
 
 
 def static_hint(value: Any, arg: str) -> str:
-    """For the error about a structural argument: what to do where it arrived traced.
+    """For the error about a structural argument: what to do where it arrived as an array.
 
-    `optax.inject_hyperparams` turns every numeric argument into a traced value; those
-    that shape the program (density, drop ratio, seed, overlap, periods) must stay static.
+    `optax.inject_hyperparams` turns every numeric argument, defaults included, into an
+    array (traced under jit); those that shape the program (density, drop ratio, seed,
+    overlap, periods) must stay static.
     """
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, jax.Array):
         return (
             f" ({arg} shapes the program, so it must be static: with "
             f"optax.inject_hyperparams, pass static_args=({arg!r},))"

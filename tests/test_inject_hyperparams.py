@@ -82,3 +82,10 @@ def test_structural_arguments_name_static_args(factory, arg, value):
     mapped = jax.shard_map(body, mesh=mesh_of(4), in_specs=P("data"), out_specs=P("data"))
     with pytest.raises(ValueError, match=rf"static_args=\('{arg}',\)"):
         jax.jit(mapped)(x)
+
+
+def test_a_default_seed_injected_outside_jit_names_static_args():
+    """inject_hyperparams makes the default seed an array already in an eager `init`."""
+    tx = optax.inject_hyperparams(gradcomm.terngrad)(axis_name="data", clip=2.5)
+    with pytest.raises(ValueError, match=r"static_args=\('seed',\)"):
+        tx.init({"w": jnp.ones(3)})
