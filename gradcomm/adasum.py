@@ -146,8 +146,8 @@ def _coefficients(totals: tuple[jax.Array, ...]) -> jax.Array:
 
 
 # Index maps between (own, other) and (a, b) order, for the device whose own part is b.
-_SWAP_STATS = np.array([1, 0, 2, 4, 3])
-_SWAP_COEFFICIENTS = np.array([3, 4, 5, 0, 1, 2, 6])
+_SWAP_STATS = np.array([1, 0, 2, 4, 3], np.int32)
+_SWAP_COEFFICIENTS = np.array([3, 4, 5, 0, 1, 2, 6], np.int32)
 
 
 def _pair(

@@ -174,9 +174,12 @@ def gradient_dropping(
                 raise ValueError("gradient_dropping(average_every=...) needs params")
             if not extra_args.get(_base.DEFER_AVERAGING):
                 raise ValueError(
-                    "gradient_dropping(average_every=...) averages parameters through "
-                    "gradcomm.parallel.train_step(..., params_per_device=True); in another "
-                    "loop, chain gradcomm.local_sgd(axis_name, every=k) after the optimizer"
+                    "gradient_dropping(average_every=...) sets the params to their exact "
+                    "mean, which gradcomm.parallel.train_step(..., params_per_device=True) "
+                    "does when it asks; no request arrived here. In another loop, or inside "
+                    "a wrapper that drops extra arguments (optax.MultiSteps), leave "
+                    "average_every unset and chain gradcomm.local_sgd(axis_name, every=k) "
+                    "after the optimizer, outside the wrapper"
                 )
         n = _base.axis_size(axis_name)
         leaves, treedef = jax.tree.flatten(updates)

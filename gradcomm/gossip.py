@@ -37,19 +37,19 @@ TopologySpec = str | topologies.Topology | Callable[[int], topologies.Topology]
 class SgpState(NamedTuple):
     """State of `sgp`: step counter, push-sum weight, and tau messages in flight.
 
-    `in_flight` holds, per delay slot, the numerator (params-shaped, with a leading slot
-    axis of size tau) and `in_flight_weight` the weight (shape (tau,)) received but not yet
-    mixed in; slot 0 is mixed in next. With `overlap=0` nothing is ever in flight and both
-    are empty tuples `()`, leafless pytree nodes that checkpoints (orbax) save and restore,
-    where zero-size arrays would not save.
+    `in_flight` holds, per delay slot, the numerator (a tuple of tau params-shaped trees,
+    so `optax.tree_map_params` sees each as params) and `in_flight_weight` the weight
+    (shape (tau,)) received but not yet mixed in; slot 0 is mixed in next. With
+    `overlap=0` nothing is ever in flight and both are empty tuples `()`, leafless pytree
+    nodes that checkpoints (orbax) save and restore, where zero-size arrays would not save.
 
     Example:
       >>> import jax.numpy as jnp, gradcomm
       >>> gradcomm.sgp("data").init(jnp.zeros(3)).in_flight
       ()
       >>> state = gradcomm.sgp("data", overlap=2).init(jnp.zeros(3))
-      >>> state.in_flight.shape, state.in_flight_weight.shape
-      ((2, 3), (2,))
+      >>> [slot.shape for slot in state.in_flight], state.in_flight_weight.shape
+      ([(3,), (3,)], (2,))
     """
 
     count: jax.Array
@@ -213,7 +213,9 @@ def sgp(
     def init_fn(params: Any) -> SgpState:
         dtype = _weight_dtype(params)
         if overlap:
-            slots = jax.tree.map(lambda p: jnp.zeros((overlap, *p.shape), p.dtype), params)
+            slots = tuple(
+                jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params) for _ in range(overlap)
+            )
             slots_w = jnp.zeros([overlap], dtype)
         else:  # nothing in flight: no arrays (zero-size ones do not checkpoint)
             slots, slots_w = (), ()
@@ -247,14 +249,10 @@ def sgp(
                 buffers, w, graph, state.count, axis_name, pairwise
             )
             if overlap:
-                arriving = _pack(jax.tree.map(lambda q: q[0], state.in_flight))[2]
+                arriving = _pack(state.in_flight[0])[2]
                 mixed = [k + a for k, a in zip(kept, arriving, strict=True)]
                 mixed_w = kept_w + state.in_flight_weight[0]
-                queue = jax.tree.map(
-                    lambda q, r: jnp.concatenate([q[1:], r[None]]),
-                    state.in_flight,
-                    _unpack(x, layouts, groups, received),
-                )
+                queue = (*state.in_flight[1:], _unpack(x, layouts, groups, received))
                 queue_w = jnp.concatenate([state.in_flight_weight[1:], received_w[None]])
                 return mixed, mixed_w, queue, queue_w
             mixed = [k + r for k, r in zip(kept, received, strict=True)]

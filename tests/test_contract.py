@@ -18,8 +18,9 @@ times (plain, `local="compensated"`, `average_every=2`). Every case meets every 
   hierarchical Adasum under `pmap` maps nodes with `pmap` and the local axis with `vmap`,
   JAX having no nested `pmap`); `gradient_dropping(average_every=...)`, documented to
   need `parallel.train_step`, raises a ValueError that says so;
-* `optax.MultiSteps`, `optax.apply_if_finite` and `optax.inject_hyperparams`: every case
-  with every wrapper, the loop alternating between `parallel.init_state` +
+* `optax.MultiSteps`, `gradcomm.apply_if_finite` and `optax.inject_hyperparams`: every
+  case with every wrapper (`optax.apply_if_finite`, which decides per device, is
+  refused), the loop alternating between `parallel.init_state` +
   `parallel.train_step` and a hand-written `shard_map` loop;
 * an orbax round trip continues bit for bit.
 
@@ -429,7 +430,7 @@ def test_contexts_give_the_reference(name, context):
     method documents a context as unsupported, a ValueError that says so."""
     params, grads = _params_rows(name, N), _rows(1, N)
     if not CASES[name].hand_loop:
-        with pytest.raises(ValueError, match=r"through gradcomm\.parallel\.train_step"):
+        with pytest.raises(ValueError, match=r"gradcomm\.parallel\.train_step"):
             _run(name, context, N, params, [grads])
         return
     [updates] = _run(name, context, N, params, [grads])
@@ -489,12 +490,7 @@ def test_zero_gradients_and_odd_leaves(name, context, n):
 # optax.tree_map_params
 
 
-TREE_MAP_XFAILS = {
-    "osgp": (
-        "sgp(overlap>=1) keeps its in-flight messages as one params-structured tree with a "
-        "leading slot axis, so tree_map_params hands f leaves of shape (overlap, *param_shape)"
-    ),
-}
+TREE_MAP_XFAILS: dict[str, str] = {}  # sgp's in-flight slots are params-shaped trees
 
 
 @pytest.mark.parametrize(
@@ -521,12 +517,13 @@ def test_tree_map_params_maps_the_param_shaped_state(name):
     mapped = optax.tree_map_params(tx, f, state, params)
     assert jax.tree.structure(mapped) == jax.tree.structure(state)
     assert all(leaf == param for leaf, param in seen), seen
-    residual = getattr(state, "residual", None)
-    assert len(seen) == len(jax.tree.leaves(residual))
+    shaped = [jax.tree_util.GetAttrKey(k) for k in ("residual", "in_flight")]
+    param_like = [getattr(state, k.name, None) for k in shaped]  # sgp's slots are params too
+    assert len(seen) == len(jax.tree.leaves(param_like))
     for (path, got), want in zip(
         jax.tree_util.tree_leaves_with_path(mapped), jax.tree.leaves(state), strict=True
     ):
-        if jax.tree_util.GetAttrKey("residual") in path:  # zeros + params
+        if any(k in path for k in shaped):  # zeros + params
             np.testing.assert_array_equal(got, params[path[-1].key])
         else:
             np.testing.assert_array_equal(got, want)
@@ -637,22 +634,10 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path, name):
 WRAPPERS = ["multisteps", "apply_if_finite", "inject_hyperparams"]
 LOOPS = ["train_step", "hand_loop"]
 PENDING = "wrapper fix pending"
-WRAPPER_XFAILS = {  # (case, wrapper): why it fails on this branch
-    **{
-        (name, "multisteps"): f"{PENDING}: init_state's lax.cond mismatch on per-device leaves"
-        for name in NAMES
-        if name not in ("dpsgd", "gradient_dropping_local", "local_sgd")
-    },
-    ("gradient_dropping_average", "multisteps"): (
-        "MultiSteps.gradient_transformation() is a plain GradientTransformation, so "
-        "train_step's with_extra_args_support drops defer_params_averaging and "
-        "gradient_dropping(average_every=...) raises"
-    ),
-    **{
-        (name, "apply_if_finite"): f"{PENDING}: each device decides finiteness alone"
-        for name in NAMES
-    },
-}
+WRAPPER_XFAILS: dict[tuple[str, str], str] = {}  # (case, wrapper): why it fails
+# gradient_dropping(average_every=k) needs train_step's deferral flag, which MultiSteps,
+# a plain GradientTransformation, does not pass on: it raises and names local_sgd.
+REFUSED = {("gradient_dropping_average", "multisteps"): "local_sgd"}
 
 
 def _wrapper_matrix() -> list[Any]:
@@ -671,7 +656,7 @@ def _wrapped(name: str, wrapper: str) -> optax.GradientTransformation:
     if wrapper == "multisteps":
         return optax.MultiSteps(_chain(name), every_k_schedule=2).gradient_transformation()
     if wrapper == "apply_if_finite":
-        return optax.apply_if_finite(_chain(name), max_consecutive_errors=2)
+        return gradcomm.apply_if_finite(_chain(name), 2, _mesh(name).axis_names)
     return optax.inject_hyperparams(functools.partial(_chain, name))(learning_rate=LR)
 
 
@@ -720,6 +705,10 @@ def test_wrappers(name, wrapper, loop):
     tx = _wrapped(name, wrapper)
     rows = _params_rows(name, N)
     params = _place(name, mesh, rows)
+    if (name, wrapper) in REFUSED:
+        with pytest.raises(ValueError, match=REFUSED[name, wrapper]):
+            parallel.init_state(tx, params, mesh, params_per_device=case.per_device)
+        return
     state = parallel.init_state(tx, params, mesh, params_per_device=case.per_device)
     hand_traces: list[int] = []
     plain = _plain_update(tx, name)
@@ -793,17 +782,22 @@ def test_wrappers(name, wrapper, loop):
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_optax_apply_if_finite_is_refused_with_the_fix(name):
+    """optax's own tests this device's updates, a per-device cond around the collectives
+    that stalls when devices disagree: init_state refuses it and names gradcomm's."""
+    case, mesh = CASES[name], _mesh(name)
+    tx = optax.apply_if_finite(_chain(name), max_consecutive_errors=2)
+    params = _place(name, mesh, _params_rows(name, N))
+    with pytest.raises(ValueError, match=r"gradcomm\.apply_if_finite"):
+        parallel.init_state(tx, params, mesh, params_per_device=case.per_device)
+
+
 # ------------------------------------------------------------------------------------------
 # lax.cond and dtypes
 
 DTYPES = ["bfloat16", "float16", "float64", "float32"]
-COND_XFAILS = {
-    ("adasum_hierarchical", "float64"): (
-        "gradcomm/adasum.py indexes with int64 NumPy constants (_SWAP_STATS, "
-        "_SWAP_COEFFICIENTS); once adasum has run in float32, JAX reuses their int32 "
-        "conversion under a scoped enable_x64 and tracing fails (int32 + int64)"
-    ),
-}
+COND_XFAILS: dict[tuple[str, str], str] = {}  # adasum's index constants are int32
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ def gossip_fn(steps, **kwargs):
             delta, state = tx.update(jnp.zeros_like(z), state, z)
             z = z + delta
             if kwargs.get("overlap"):
-                flight, flight_w = jnp.sum(state.in_flight, 0), jnp.sum(state.in_flight_weight)
+                flight, flight_w = sum(state.in_flight), jnp.sum(state.in_flight_weight)
             else:  # nothing in flight: the state holds no in-flight arrays
                 flight, flight_w = jnp.zeros_like(z), jnp.zeros([], state.weight.dtype)
             return (z, state), (z, state.weight, flight, flight_w)
@@ -194,7 +194,8 @@ def test_state_errors_and_arguments():
             gradcomm.sgp("data", **kwargs)
     tx = gradcomm.sgp("data", overlap=2)
     state = tx.init({"w": jnp.ones(3)})
-    assert state.in_flight["w"].shape == (2, 3) and state.in_flight_weight.shape == (2,)
+    assert [q["w"].shape for q in state.in_flight] == [(3,), (3,)]
+    assert state.in_flight_weight.shape == (2,)
     state = gradcomm.sgp("data").init({"w": jnp.ones(3)})
     assert state.in_flight == () and state.in_flight_weight == ()  # no zero-size arrays
     with pytest.raises(ValueError, match="needs params"):
