@@ -341,7 +341,9 @@ def _joined_branches() -> Any:
     recomputed from this device's gradients in the other, so until the leaf is known to
     be per device, tracing fails and the fixed point cannot find it. Selected, each output
     is typed as varying wherever any branch makes it vary: the layout the real `cond`
-    needs. The probe only reads types, so running every branch costs nothing.
+    needs. The probe only reads types, so running every branch costs nothing. (It swaps
+    the `jax.lax` module's functions for the length of one `eval_shape`: another thread
+    tracing at that moment would see them too.)
     """
     saved = lax.cond, lax.switch
     lax.cond, lax.switch = _joined_cond, _joined_switch
@@ -388,7 +390,9 @@ def _layout(
 
     Start with every leaf replicated; trace `tx.update` on per-device gradients; every state
     leaf that comes out varying over the data axes must be per device. Repeat until no
-    leaf changes (leaves only ever move to per device, so this ends).
+    leaf changes (leaves only ever move to per device, so this ends). The tracing joins
+    conditional branches (`_joined_branches`), and the result is checked for optax
+    wrappers that would decide per device (`_check_decisions`).
     """
     param_spec = device_spec(mesh, names) if params_per_device else P()
     tx = optax.with_extra_args_support(tx)
