@@ -57,8 +57,8 @@ def apply_if_finite(
              [0.]], dtype=float32)
 
     References:
-      optax.apply_if_finite, with the flag shared as Horovod and PyTorch's gradient scalers
-      share theirs across workers.
+      optax.apply_if_finite; the shared flag is what PyTorch's sharded gradient scalers do
+      with their `found_inf` (an all-reduce across ranks before the step).
     """
     _base.check_axis_name(axis_name)
     if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
