@@ -144,7 +144,7 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
     have size 2 (or 1; see `gradcomm.parallel.pairwise_axes`); "auto" does where that
     holds, under `shard_map` or `pmap`, on CPU devices in more than one process. There
     the collectives go over the network through gloo, which runs a `ppermute` in which
-    two devices send to each other at half the link's speed and a two-member all-reduce
+    two devices send to each other at half the link's speed and a two-member reduce-scatter
     at full speed both ways. NCCL and TPU ICI have no such penalty, and within one
     process there is no link, so "auto" keeps `ppermute` there.
     """
@@ -188,23 +188,32 @@ def _unsigned(dtype: np.dtype) -> np.dtype:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def exchange(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
-    """Device i receives x of device i ^ distance, exactly, through a 2-member all-reduce.
+    """Device i receives x of device i ^ distance, exactly, through a 2-member reduce-scatter.
 
-    Each device sums the pair's bits, as unsigned integers, over the one size-2 axis that
-    separates the pair, and subtracts its own: integer sums wrap exactly, so -0.0, NaN
-    payloads, bf16 and fp16 come through unchanged. Each device sends the bytes of `x`
-    once (half in the all-reduce's reduce-scatter step, half in its all-gather step),
-    like the swap `ppermute(x, [(i, i ^ distance)])` it replaces; gloo runs that swap
-    at half speed and this at full speed both ways. (A reduce-scatter of a two-slot buffer, zeros in
-    the device's own slot, is exact too, but gloo ran it 9-18% slower than this on
-    100 Mbit links, at several times the CPU time.) Needs `axis_name` to be size-2 axes
-    (`use_pairwise`) and `distance` a power of two below the axis size. Its gradient is
-    the same swap of the cotangent.
+    Over the one size-2 axis that separates the pair, each device lays out two slots, its
+    own bits (as unsigned integers) in its partner's slot and zeros in its own, and a
+    reduce-scatter hands each device the sum of its slot: the partner's bits plus zeros,
+    so -0.0, NaN payloads, bf16 and fp16 come through unchanged. Each device sends the
+    bytes of `x` once, like the swap `ppermute(x, [(i, i ^ distance)])` it replaces;
+    gloo runs that swap at half speed and this at full speed both ways.
+
+    An all-reduce of the bits less the device's own is cheaper, but it needs the device
+    to subtract the very bits it sent. XLA:CPU may fuse the producer of `x` into the
+    all-reduce's operand and into the subtraction separately and contract a product into
+    an FMA in one of them only; then the two differ in the last bit and the difference is
+    garbage (Adasum at N = 4 returned NaN that way; `tests/test_pairwise.py`). Here
+    nobody needs the bits it sent. Needs `axis_name` to be size-2 axes (`use_pairwise`)
+    and `distance` a power of two below the axis size. Its gradient is the same swap of
+    the cotangent.
     """
     axis = pair_axis(axis_name, distance)
     x = vary(x, axis_name)  # typed like a ppermute's result over the whole axis_name
     bits = lax.bitcast_convert_type(x, _unsigned(x.dtype))
-    return lax.bitcast_convert_type(lax.psum(bits, axis) - bits, x.dtype)
+    upper = lax.axis_index(axis) == 1
+    zeros = jnp.zeros_like(bits)
+    slots = jnp.stack([jnp.where(upper, bits, zeros), jnp.where(upper, zeros, bits)])
+    received = lax.psum_scatter(slots, axis, scatter_dimension=0, tiled=False)
+    return lax.bitcast_convert_type(received, x.dtype)
 
 
 def _exchange_fwd(x: jax.Array, axis_name: AxisName, distance: int) -> tuple[jax.Array, None]:

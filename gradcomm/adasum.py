@@ -18,7 +18,7 @@ How gradcomm computes it:
   and one `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of
   the buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
 * Every swap is between two devices, i and i ^ 2^j. Over a mesh axis factored into size-2
-  axes they differ in one axis, and the swap can be a two-member all-reduce over it
+  axes they differ in one axis, and the swap can be a two-member reduce-scatter over it
   (`exchange="pairwise"`, `_base.exchange`), which gloo runs at full speed both ways; the
   final gather is then reverse doubling, one exchange per axis. Same bits, same bytes.
 * Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
@@ -314,11 +314,13 @@ def adasum_reduce(
         each of a node's devices carries 1/L of the traffic across nodes.
       exchange: how partners swap halves. "permute": `lax.ppermute`, and one
         `all_gather` at the end. "pairwise": every swap and the final gather (as reverse
-        doubling) are two-member exchanges (a `psum` of the bits over one size-2 axis,
-        less the device's own: the same data bit for bit, the same bytes); needs
+        doubling) are two-member exchanges (a reduce-scatter of the bits over one size-2
+        axis, each device's in its partner's slot: the same data bit for bit, the same
+        bytes); needs
         `axis_name` to be a tuple of size-2 mesh axes (`gradcomm.parallel.pairwise_axes`)
-        or one axis of size 2. "auto": "permute" for now (see the note in the code: the
-        pairwise path gave NaN on some inputs at N = 4).
+        or one axis of size 2. "auto": "pairwise" where the axes allow it on CPU devices
+        in several processes (gloo, which runs a swapping `ppermute` at half speed),
+        "permute" elsewhere (GPU, TPU, one process). The result is the same bits.
 
     Returns:
       A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree
@@ -340,11 +342,7 @@ def adasum_reduce(
     _base.check_updates(tree, every_axis, "adasum")
     n = _base.axis_size(axis_name)
     index = _base.axis_index(axis_name)
-    # "auto" keeps ppermute here, even on gloo: with the combine of eq. 8 as written now,
-    # the pairwise exchanges returned NaN at N = 4 for some inputs (a 200,000-element leaf
-    # beside a 10-element one; tests/test_pairwise.py) where ppermute gives the reference.
-    # Not yet understood; "pairwise" stays available for the runs that measured it.
-    pairwise = exchange == "pairwise" and _base.use_pairwise(axis_name, exchange, "adasum")
+    pairwise = _base.use_pairwise(axis_name, exchange, "adasum")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves]  # empty leaves stay empty
     for ids in _base.dtype_groups(leaves):
@@ -464,9 +462,9 @@ def adasum(
         devices of a node runs Adasum on 1/L of it and the traffic across nodes is the
         same as with one device per node.
       exchange: "auto", "permute" or "pairwise": how partners swap (see
-        `adasum_reduce`). "pairwise", over size-2 axes
-        (`gradcomm.parallel.pairwise_axes`), makes every exchange full duplex on gloo, but
-        gave NaN on some inputs at N = 4, so "auto" keeps `ppermute` for now.
+        `adasum_reduce`). Across CPU processes (gloo), factor the data axis into size-2
+        axes (`gradcomm.parallel.pairwise_axes`) and pass them all as `axis_name`: "auto"
+        then makes every exchange full duplex. The result is the same bits.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AdasumState`.
