@@ -235,9 +235,10 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     step runs at full speed both ways on gloo. The rows are the same bits on every
     device, which the result's type then says (`assume_invariant`).
     """
-    # Materialized once: each step reads `held` twice (the exchange and the select), and
-    # XLA:CPU would otherwise fuse and recompute its producer (Adasum's last combine)
-    # in each reader, at the cost of several passes over the buffer.
+    # Each step reads `held` in the exchange and twice in the select. Without the barrier
+    # XLA:CPU fused its producer (Adasum's last combine) into the select and recomputed
+    # it for each read; with it (expanded away later, but after fusion) the select reads
+    # one materialized copy. Measured: hierarchical Adasum's step 1.49x -> 1.37x allreduce.
     held = lax.optimization_barrier(x)[None]
     for level, name in enumerate(_bit_axes(axis_name)):
         received = exchange(held, axis_name, 1 << level)
