@@ -322,8 +322,7 @@ def _select(index: Any, outs: Sequence[Any]) -> Any:
 
 def _joined_cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any,
                  operand: Any = _NO_OPERAND) -> Any:  # fmt: skip
-    operands = operands if operand is _NO_OPERAND else (operand,)
-    return _select(pred, [false_fun(*operands), true_fun(*operands)])
+    return _joined_switch(pred, [false_fun, true_fun], *operands, operand=operand)
 
 
 def _joined_switch(index: Any, branches: Sequence[Callable], *operands: Any,
