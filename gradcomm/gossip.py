@@ -66,12 +66,17 @@ class DpsgdState(NamedTuple):
 
 def _mix(
     x: list[jax.Array], w: jax.Array, graph: topologies.Topology, count: jax.Array,
-    axis_name: _base.AxisName, pairwise: bool,
-) -> tuple[list[jax.Array], list[jax.Array], jax.Array, jax.Array]:  # fmt: skip
-    """One PushSum step of the graph's phase for `count`: (kept, received) shares of x and w.
+    axis_name: _base.AxisName, pairwise: bool, summed: bool,
+) -> tuple[Any, ...]:  # fmt: skip
+    """One PushSum step of the graph's phase for `count`.
 
-    With `pairwise`, a move that swaps every device i with i ^ d is a two-member exchange
-    (`_base.exchange`, the same bits and bytes); other moves are `ppermute`s.
+    Returns the (kept, received) shares of x and w, `(kept, received, kept_w, received_w)`,
+    or with `summed` only their sums, `(mixed, mixed_w)`. With `pairwise`, a move that
+    swaps every device i with i ^ d goes over the one size-2 axis that pairs them (see
+    `_base.use_pairwise`): a phase that is that one move and whose sum is all that is
+    wanted is a two-member `psum`, the pair's sum, the same bits on both devices and on
+    gloo the fastest exchange; any other such move is a two-member `_base.exchange`. The
+    rest are `ppermute`s.
     """
 
     def send(v: jax.Array, move: topologies.Move) -> jax.Array:
@@ -83,12 +88,22 @@ def _mix(
     def phase(moves: tuple[topologies.Move, ...]) -> tuple[Any, ...]:
         share = 1.0 / (len(moves) + 1)
         kept = [v * share for v in x]
+        distance = topologies.swap_distance(moves[0]) if pairwise and len(moves) == 1 else None
+        if summed and distance is not None:
+            axis = _base.pair_axis(axis_name, distance)
+
+            def pair_sum(v: jax.Array) -> jax.Array:
+                return _base.vary(lax.psum(_base.vary(v, axis_name), axis), axis_name)
+
+            return [pair_sum(v) for v in kept], pair_sum(w * share)
         received = [jnp.zeros_like(v) for v in x]
         received_w = jnp.zeros_like(w)
         for move in moves:
             for j, v in enumerate(kept):
                 received[j] = received[j] + send(v, move)
             received_w = received_w + send(w * share, move)
+        if summed:
+            return [k + r for k, r in zip(kept, received, strict=True)], w * share + received_w
         return kept, received, w * share, received_w
 
     num = graph.num_phases
@@ -245,18 +260,18 @@ def sgp(
         layouts, groups, buffers = _pack(x)
 
         def gossip() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
+            if not overlap:
+                mixed, mixed_w = _mix(buffers, w, graph, state.count, axis_name, pairwise, True)
+                return mixed, mixed_w, state.in_flight, state.in_flight_weight
             kept, received, kept_w, received_w = _mix(
-                buffers, w, graph, state.count, axis_name, pairwise
+                buffers, w, graph, state.count, axis_name, pairwise, False
             )
-            if overlap:
-                arriving = _pack(state.in_flight[0])[2]
-                mixed = [k + a for k, a in zip(kept, arriving, strict=True)]
-                mixed_w = kept_w + state.in_flight_weight[0]
-                queue = (*state.in_flight[1:], _unpack(x, layouts, groups, received))
-                queue_w = jnp.concatenate([state.in_flight_weight[1:], received_w[None]])
-                return mixed, mixed_w, queue, queue_w
-            mixed = [k + r for k, r in zip(kept, received, strict=True)]
-            return mixed, kept_w + received_w, state.in_flight, state.in_flight_weight
+            arriving = _pack(state.in_flight[0])[2]
+            mixed = [k + a for k, a in zip(kept, arriving, strict=True)]
+            mixed_w = kept_w + state.in_flight_weight[0]
+            queue = (*state.in_flight[1:], _unpack(x, layouts, groups, received))
+            queue_w = jnp.concatenate([state.in_flight_weight[1:], received_w[None]])
+            return mixed, mixed_w, queue, queue_w
 
         def exact() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
             mixed = [_base.vary(b, axis_name) for b in lax.pmean(buffers, axis_name)]
@@ -355,8 +370,8 @@ def dpsgd(
         layouts, groups, buffers = _pack(x)
         one = jnp.ones([], jnp.float32)
         pairwise = _base.use_pairwise(axis_name, exchange, "dpsgd")
-        kept, received, _, _ = _mix(buffers, one, graph, state.count, axis_name, pairwise)
-        mixed = _unpack(x, layouts, groups, [k + r for k, r in zip(kept, received, strict=True)])
+        mixed, _ = _mix(buffers, one, graph, state.count, axis_name, pairwise, True)
+        mixed = _unpack(x, layouts, groups, mixed)
         delta = jax.tree.map(jnp.subtract, mixed, params)
         return delta, DpsgdState(count=optax.safe_increment(state.count))
 

@@ -377,7 +377,13 @@ def test_gossip_pairwise_is_bit_identical_over_every_phase_with_the_same_bytes(n
     assert_same_bits(got, expected)
     # A time-varying graph costs its dearest phase per step, the same either way.
     assert wire.analyze_hlo(text).total == wire.analyze_hlo(permute_text).total
-    assert "reduce-scatter" in text  # i <-> i ^ n/2 is a phase of every graph here
+    # i <-> i ^ n/2 is a move of every graph here. Alone in its phase, and with only the
+    # sum wanted (no overlap), it is a two-member all-reduce; otherwise an exchange.
+    graph = topology.resolve(kwargs["topology"], n)
+    swaps = [(len(moves), topology.swap_distance(m)) for moves in graph.phases for m in moves]
+    summed = {alone == 1 and not kwargs.get("overlap") for alone, d in swaps if d}
+    assert ("all-reduce(" in text) == (True in summed)
+    assert ("reduce-scatter(" in text) == (False in summed)
     swaps_only = kwargs["topology"] == "hypercube" or n == 2
     assert ("collective-permute" in text) == (not swaps_only)
 
@@ -441,10 +447,12 @@ def test_train_step_on_a_factored_mesh_matches_the_one_axis_mesh(name, tx_for, p
     expected, _ = train(lambda a: tx_for(a, "permute"), n, False, per_device_params)
     got, text = train(tx_for, n, True, per_device_params)
     assert_same_bits(got, expected)
-    # The exchanges: reduce-scatters of the bits.
-    assert any("reduce-scatter(" in line and "u32[" in line for line in text.splitlines())
-    if name == "adasum":  # replicated params: the result is typed identical on every device
+    if name == "adasum":  # the exchanges: reduce-scatters of the bits
+        assert any("reduce-scatter(" in line and "u32[" in line for line in text.splitlines())
+        # replicated params: the result is typed identical on every device
         assert "collective-permute" not in text
+    else:  # SGP's swap phase i <-> i ^ 2 sums the pair: a two-member all-reduce
+        assert any("all-reduce(" in line and "{{0,2}" in line for line in text.splitlines())
 
 
 def _adasum_on_a_large_and_a_small_leaf(exchange):
