@@ -85,9 +85,20 @@ def test_gossip_on_gloo_by_hand():
     assert pm.predict("dpsgd", P, 4, LINK, backend=pm.GLOO).comm_s == pytest.approx(
         (2 * 1.53 + 2.80) / 2, 1e-5
     )
-    # Pairwise reduce-scatters take the swap penalty away: 0.75 s per half.
+    # Pairwise, a lone swap of which only the sum is mixed is a 2-member all-reduce (1.57 s);
+    # with overlap the received share is kept apart, so it is an exchange: 0.75 s per half.
     pairwise = pm.predict("sgp", P, 2, LINK, backend=pm.GLOO_PAIRWISE).comm_s
-    assert pairwise == pytest.approx(2 * 0.75, 1e-5)
+    assert pairwise == pytest.approx(1.57, 1e-5)
+    osgp = pm.predict("sgp", P, 2, LINK, options={"overlap": 1}, backend=pm.GLOO_PAIRWISE)
+    assert osgp.comm_s == pytest.approx(2 * 0.75, 1e-5)
+    # N = 4: the ring shift (1.53 s) and the pair's sum (1.57 s) alternate.
+    pairwise = pm.predict("sgp", P, 4, LINK, backend=pm.GLOO_PAIRWISE).comm_s
+    assert pairwise == pytest.approx((1.53 + 1.57) / 2, 1e-5)
+    # A factory's `exchange` overrides the backend's.
+    forced = pm.predict(
+        "sgp", P, 4, LINK, options={"exchange": "permute"}, backend=pm.GLOO_PAIRWISE
+    )
+    assert forced.comm_s == pytest.approx(2.165, 1e-5)
 
 
 def test_adasum_by_hand():

@@ -37,6 +37,7 @@ _ROUNDS = {
     "alltoall": 1,
     "permute": 0,
     "swap": 0,
+    "pair_sum": 0,
     "doubling_gather": 1,
 }
 _LAYERWISE = frozenset({"allreduce", "adasum", "terngrad", "lags", "gradient_dropping"})
@@ -103,7 +104,9 @@ class Backend:
         takes the largest listed one below it (else the smallest); a kind not listed, 1.
       swap_factor: a permute in which pairs send to each other (gloo 2, NCCL 1).
       swaps: "permute" (a swap costs `swap_factor`) or "pairwise" (swaps run as 2-member
-        reduce-scatters over size-2 mesh axes, at the reduce-scatter's factor for n = 2).
+        reduce-scatters over size-2 mesh axes, at the reduce-scatter's factor for n = 2,
+        and a swap of which only the pair's sum is wanted, a "pair_sum", as a 2-member
+        all-reduce, at the all-reduce's factor for n = 2).
       overlap: the fraction of a method's window in which communication hides: 0 where
         every collective runs after the backward pass (this CPU path), 1 on GPUs.
     """
@@ -116,9 +119,9 @@ class Backend:
 
     def factor(self, kind: str, n: int) -> float:
         """The time factor of one collective of `kind` over `n` members."""
-        if kind == "swap" and self.swaps == "pairwise":
-            return self.factor("reduce_scatter", 2)
-        if kind == "swap":
+        if kind in ("swap", "pair_sum") and self.swaps == "pairwise":
+            return self.factor("reduce_scatter" if kind == "swap" else "allreduce", 2)
+        if kind in ("swap", "pair_sum"):
             return self.swap_factor
         if kind == "doubling_gather":  # pairwise: one swap per level; else an all-gather
             pairwise = self.swaps == "pairwise"
@@ -225,9 +228,11 @@ def pattern(
     elif method in ("sgp", "dpsgd"):
         default = "exponential" if method == "sgp" else "exponential-bidirectional"
         phases = _phases(o.get("topology", default), n)
+        if not o.get("overlap"):  # a lone swap is mixed as it arrives: only its sum matters
+            phases = [["pair_sum"] if kinds == ["swap"] else kinds for kinds in phases]
         for kinds in phases:  # the model and the push-sum weight
             out += [
-                Collective(k, 2 if k == "swap" else n, size + 4, 1 / len(phases)) for k in kinds
+                Collective(k, n if k == "permute" else 2, size + 4, 1 / len(phases)) for k in kinds
             ]
     else:
         raise ValueError(f"unknown method {method!r}")
@@ -263,7 +268,8 @@ def predict(
       nodes: hosts on the link.
       bandwidth: each host's link, in Gbit/s.
       latency: seconds per message.
-      options: the factory's keyword arguments.
+      options: the factory's keyword arguments; an `exchange` of "permute" or "pairwise"
+        overrides the backend's `swaps`.
       backend: `NCCL` (ideal patterns, overlap 1), `GLOO` or `GLOO_PAIRWISE`.
       compute_s: an allreduce step's compute (forward, backward, optimizer), in seconds.
       cost_per_byte: the method's extra compute, seconds per byte of the model.
@@ -280,6 +286,8 @@ def predict(
       2.8
     """
     colls = pattern(method, params, nodes, options=options, itemsize=itemsize, amortize=amortize)
+    if (options or {}).get("exchange") in ("permute", "pairwise"):
+        backend = dataclasses.replace(backend, swaps=options["exchange"])
     comm = sum(backend.factor(c.kind, c.n) * c.seconds(bandwidth, latency) for c in colls)
     compute = max(compute_s + cost_per_byte * params * itemsize, 0.0)
     span = {"backward": BACKWARD * compute_s, "step": compute, "none": 0.0}
