@@ -320,7 +320,9 @@ def adasum_reduce(
         `axis_name` to be a tuple of size-2 mesh axes (`gradcomm.parallel.pairwise_axes`)
         or one axis of size 2. "auto": "pairwise" where the axes allow it on CPU devices
         in several processes (gloo, which runs a swapping `ppermute` at half speed),
-        "permute" elsewhere (GPU, TPU, one process). The result is the same bits.
+        "permute" elsewhere (GPU, TPU, one process). gloo's reduce-scatter costs more CPU
+        than a swap: on links faster than a few Gbit/s "permute" steps faster (README,
+        "Does it save time?"). The result is the same bits.
 
     Returns:
       A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree
