@@ -5,7 +5,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import parallel
+from gradcomm import _base, parallel
 
 
 def case_inputs(n: int) -> dict[str, np.ndarray]:
@@ -24,3 +24,36 @@ def adasum_of_case() -> np.ndarray:
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))(inputs)
     out = parallel.host_copy(out)
     return np.concatenate([out["b"].ravel(), out["w"].ravel()])
+
+
+def pairwise_of_case() -> tuple[np.ndarray, str]:
+    """Adasum and SGP over size-2 mesh axes, as one flat array, and the compiled program.
+
+    Across processes `exchange="auto"` sends every pairwise swap through gloo as a
+    two-member reduce-scatter of the bits (Adasum, overlapped SGP) or a two-member psum
+    (SGP's lone-swap phase, i <-> i + 4 at N = 8); in one process it keeps `ppermute`.
+    Both must give the same bits.
+    """
+    n = jax.device_count()
+    mesh = parallel.make_mesh(parallel.pairwise_axes("data", n))
+    axes = tuple(mesh.axis_names)
+    inputs = parallel.shard_batch(case_inputs(n), mesh)
+
+    def body(tree):
+        local = jax.tree.map(lambda x: x[0], tree)
+        results = [gradcomm.adasum_reduce(local, axes)]
+        for overlap in (0, 1):
+            tx = gradcomm.sgp(axes, overlap=overlap)
+            params, state = local, tx.init(local)
+            for _ in range(3):  # every phase of the exponential graph at N = 8
+                grads = jax.tree.map(lambda p: 0.01 * p, params)
+                delta, state = tx.update(grads, state, params)
+                params = jax.tree.map(jax.numpy.add, params, delta)
+            gathered = jax.tree.map(lambda p: _base.all_gather_invariant(p, axes), params)
+            results.append(gathered)
+        return results
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
+    out = parallel.host_copy(fn(inputs))
+    text = fn.lower(inputs).compile().as_text()
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(out)]), text

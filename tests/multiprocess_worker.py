@@ -1,4 +1,4 @@
-"""One of several JAX processes on 127.0.0.1 (gloo): Adasum over the global devices.
+"""One of several JAX processes on 127.0.0.1 (gloo): Adasum and SGP over the global devices.
 
 Usage: python multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID DEVICES_PER_PROCESS OUT
 Writes this process's copy of the result to OUT (.npy).
@@ -17,6 +17,8 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id))
 
 import numpy as np  # noqa: E402
-from multiprocess_case import adasum_of_case  # noqa: E402
+from multiprocess_case import adasum_of_case, pairwise_of_case  # noqa: E402
 
-np.save(out, adasum_of_case())
+pairwise, text = pairwise_of_case()
+assert "reduce-scatter(" in text, "across processes the swaps should be pairwise exchanges"
+np.save(out, np.concatenate([adasum_of_case(), pairwise]))

@@ -1,4 +1,7 @@
-"""Two JAX processes on 127.0.0.1 (gloo), 4 devices each, agree with one 8-device process."""
+"""Two JAX processes on 127.0.0.1 (gloo), 4 devices each, agree with one 8-device process,
+bit for bit: Adasum on one axis, and Adasum and SGP over size-2 axes, where the two
+processes exchange pairwise (gloo reduce-scatters and pair psums) and one process uses
+`ppermute`."""
 
 import pathlib
 import socket
@@ -7,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from multiprocess_case import adasum_of_case
+from multiprocess_case import adasum_of_case, pairwise_of_case
 
 HERE = pathlib.Path(__file__).parent
 
@@ -50,6 +53,8 @@ def test_two_processes_match_one(tmp_path):
             raise
     for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log[-3000:]
-    single = adasum_of_case()  # this process: 8 simulated devices
+    pairwise, text = pairwise_of_case()  # this process: 8 simulated devices, ppermutes
+    assert "reduce-scatter(" not in text and "collective-permute(" in text
+    single = np.concatenate([adasum_of_case(), pairwise])
     for out in outs:
         np.testing.assert_array_equal(np.load(out), single)
