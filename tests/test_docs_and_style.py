@@ -32,7 +32,7 @@ def test_docstring_examples(name):
         and getattr(getattr(module, n), "__module__", None) == name
         and (getattr(module, n).__doc__ or "").count("Args:")
     ]
-    if public:  # a module with documented public functions shows them run
+    if public and not name.split(".")[-1].startswith("_"):  # a public module shows them run
         assert result.attempted > 0, f"{name} has no examples"
     assert result.failed == 0
 
