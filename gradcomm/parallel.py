@@ -114,8 +114,7 @@ def pairwise_axes(name: str = "data", n: int | None = None) -> dict[str, int]:
     """
     _base.check_axis_name(name, "name")
     n = jax.device_count() if n is None else n
-    _base.check_int(n, "pairwise_axes' number of devices n", minimum=1)
-    if n & (n - 1):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
         raise ValueError(f"pairwise_axes needs a power-of-two number of devices, got {n!r}")
     if n == 1:
         return {f"{name}0": 1}
