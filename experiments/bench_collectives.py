@@ -100,7 +100,7 @@ def residual(density: float) -> Callable[[Any], Any]:
         out = []
         for x in tree:
             values, indices = sparse.topk(x.ravel(), sparse.num_kept(x.size, density), "sampled")
-            out.append((values, sparse.drop_sent(x.ravel(), indices)))
+            out.append((values, sparse.unsent(x.ravel(), indices, x)))
         return out
 
     return fn

@@ -296,6 +296,25 @@ def static_hint(value: Any, arg: str) -> str:
     return ""
 
 
+def check_int(value: Any, arg: str, *, minimum: int | None = None, optional: bool = False) -> None:
+    """Raises a `ValueError` unless `value` is an int (not a bool) of at least `minimum`.
+
+    `optional` also accepts None. The message says what to do where `value` arrived as an
+    array (`static_hint`).
+    """
+    if optional and value is None:
+        return
+    low = minimum is not None and isinstance(value, int | np.integer) and value < minimum
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or low:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, "an int")
+        if minimum not in (None, 0, 1):
+            kind = f"an int >= {minimum}"
+        raise ValueError(
+            f"{arg} must be {kind}{' or None' if optional else ''}, got {value!r}"
+            + static_hint(value, arg)
+        )
+
+
 def check_float_leaves(tree: Any, who: str) -> None:
     """Raises a `ValueError` naming the first leaf that is not a floating-point array."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -372,14 +391,7 @@ def require_params(params: Any, who: str) -> None:
 
 def leaf_names(paths: Sequence[tuple[Any, ...]]) -> list[str]:
     """'Dense_1/kernel' style names for pytree key paths."""
-
-    def part(key: Any) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
-    return ["/".join(part(k) for k in path) for path in paths]
+    return [jax.tree_util.keystr(path, simple=True, separator="/") for path in paths]
 
 
 def match_names(entries: Sequence[str], names: Sequence[str], arg: str) -> list[str | None]:

@@ -150,6 +150,7 @@ _SWAP_STATS = np.array([1, 0, 2, 4, 3], np.int32)
 _SWAP_COEFFICIENTS = np.array([3, 4, 5, 0, 1, 2, 6], np.int32)
 
 
+@jax.named_scope("combine")
 def _pair(
     own: jax.Array,
     other: jax.Array,
@@ -275,22 +276,24 @@ def _adasum_fused(
     for level in range(levels):
         distance = 1 << level
         own_is_b = (index >> level) & 1 == 1
-        if pairwise:
-            received = _base.exchange(send, axis_name, distance)
-        else:
-            pairs = [(i, i ^ distance) for i in range(in_tree)]
-            received = _base.ppermute(send, axis_name, pairs)
+        with jax.named_scope("exchange"):
+            if pairwise:
+                received = _base.exchange(send, axis_name, distance)
+            else:
+                pairs = [(i, i ^ distance) for i in range(in_tree)]
+                received = _base.ppermute(send, axis_name, pairs)
         group = _group_stats(axis_name, 2 * distance, in_tree, index, pairwise, local_axis)
         if level + 1 < levels:
             own, send = _pair(own, received, layout, own_is_b, group, halves=True)
         else:
             x = _pair(own, received, layout, own_is_b, group)
-    if pairwise:
-        rows = _base.all_gather_pairwise(x[0], axis_name)
-    else:
-        rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
-    if local_axis is not None:
-        rows = _base.all_gather_invariant(rows, local_axis, tiled=True)
+    with jax.named_scope("gather"):
+        if pairwise:
+            rows = _base.all_gather_pairwise(x[0], axis_name)
+        else:
+            rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
+        if local_axis is not None:
+            rows = _base.all_gather_invariant(rows, local_axis, tiled=True)
     return layout.unpack(rows)
 
 
@@ -498,6 +501,7 @@ def adasum(
         del params
         return AdasumState(count=_base.zero_count())
 
+    @jax.named_scope("gradcomm.adasum")
     def update_fn(
         updates: Any, state: AdasumState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AdasumState]:

@@ -47,6 +47,7 @@ def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformatio
         del params
         return AllReduceState(count=_base.zero_count())
 
+    @jax.named_scope("gradcomm.allreduce")
     def update_fn(
         updates: Any, state: AllReduceState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AllReduceState]:

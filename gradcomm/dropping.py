@@ -21,7 +21,7 @@ exact mean.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,8 @@ from jax import lax
 
 from gradcomm import _base, sparse, wire
 
-LOCAL_MODES = (None, "sum", "compensated")
+Local = Literal["sum", "compensated"]
+LOCAL_MODES = (None, *get_args(Local))
 
 
 class GradientDroppingState(NamedTuple):
@@ -46,16 +47,6 @@ class LocalSgdState(NamedTuple):
 
     count: jax.Array
     averaging: _base.ParamsAveraging
-
-
-def _check_every(every: Any, arg: str, optional: bool = False) -> None:
-    if optional and every is None:
-        return
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"{arg} must be a positive int{' or None' if optional else ''}, got {every!r}"
-            + _base.static_hint(every, arg)
-        )
 
 
 def drop_rate(count: jax.Array, drop_ratio: float, warmup_steps: int) -> jax.Array:
@@ -86,7 +77,7 @@ def gradient_dropping(
     axis_name: _base.AxisName = "data",
     *,
     drop_ratio: float = 0.99,
-    local: str | None = None,
+    local: Local | None = None,
     average_every: int | None = None,
     warmup_steps: int = 1000,
     selector: sparse.Selector = "sampled",
@@ -150,12 +141,8 @@ def gradient_dropping(
         )
     if local not in LOCAL_MODES:
         raise ValueError(f"local must be one of {LOCAL_MODES}, got {local!r}")
-    _check_every(average_every, "average_every", optional=True)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(
-            f"warmup_steps must be a non-negative int, got {warmup_steps!r}"
-            + _base.static_hint(warmup_steps, "warmup_steps")
-        )
+    _base.check_int(average_every, "average_every", minimum=1, optional=True)
+    _base.check_int(warmup_steps, "warmup_steps", minimum=0)
     sparse.check_selector(selector)
 
     def init_fn(params: Any) -> GradientDroppingState:
@@ -165,6 +152,7 @@ def gradient_dropping(
             averaging=_base.ParamsAveraging(due=jnp.zeros([], bool)),
         )
 
+    @jax.named_scope("gradcomm.gradient_dropping")
     def update_fn(
         updates: Any, state: GradientDroppingState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, GradientDroppingState]:
@@ -185,7 +173,7 @@ def gradient_dropping(
         leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
-        accs = [(residuals[i] + leaves[i]).ravel() for i in ids]
+        accs = [sparse.accumulate(residuals[i], leaves[i]) for i in ids]
 
         def local_gradient(i: int, dtype: Any) -> jax.Array:
             return leaves[i].ravel().astype(dtype)
@@ -205,17 +193,20 @@ def gradient_dropping(
                         c = c.at[idx].set(patch, unique_indices=True)
                     total = c
                 combined.append(total)
-            kept = [sparse.drop_sent(a, idx) for (_, idx), a in zip(sent, accs, strict=True)]
+            kept = [
+                sparse.unsent(a, idx, residuals[i])
+                for (_, idx), a, i in zip(sent, accs, ids, strict=True)
+            ]
             return combined, kept
 
         def warming() -> tuple[list[jax.Array], list[jax.Array]]:
             rate = drop_rate(state.count, drop_ratio, warmup_steps)
             mine, kept = [], []
-            for a in accs:
+            for a, i in zip(accs, ids, strict=True):
                 keep = jnp.clip(jnp.round((1 - rate) * a.size), 1, a.size).astype(jnp.int32)
                 sent, residual = _drop_by_threshold(a, keep)
                 mine.append(sent.astype(_base.compute_dtype(sent.dtype)))
-                kept.append(residual)
+                kept.append(sparse.as_residual(residual, residuals[i]))
             combined = []
             for total, sent, i in zip(lax.psum(mine, axis_name), mine, ids, strict=True):
                 if local == "sum":
@@ -239,7 +230,7 @@ def gradient_dropping(
         out, new_residuals = list(leaves), list(residuals)
         for j, i in enumerate(ids):
             out[i] = combined[j].astype(leaves[i].dtype).reshape(leaves[i].shape)
-            new_residuals[i] = kept[j].reshape(residuals[i].shape)
+            new_residuals[i] = kept[j]
         new_state = GradientDroppingState(
             count=optax.safe_increment(state.count),
             residual=jax.tree.unflatten(jax.tree.structure(state.residual), new_residuals),
@@ -289,7 +280,7 @@ def local_sgd(
       Data", AISTATS 2017, as the baseline of Aji et al., EMNLP 2019 (sections 2.2, 3.1).
     """
     _base.check_axis_name(axis_name)
-    _check_every(every, "every")
+    _base.check_int(every, "every", minimum=1)
 
     def init_fn(params: Any) -> LocalSgdState:
         del params
@@ -297,6 +288,7 @@ def local_sgd(
             count=_base.zero_count(), averaging=_base.ParamsAveraging(due=jnp.zeros([], bool))
         )
 
+    @jax.named_scope("gradcomm.local_sgd")
     def update_fn(
         updates: Any, state: LocalSgdState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LocalSgdState]:

@@ -61,10 +61,7 @@ def apply_if_finite(
       with their `found_inf` (an all-reduce across ranks before the step).
     """
     _base.check_axis_name(axis_name)
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
-        raise ValueError(f"max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
-    if max_consecutive_errors < 0:
-        raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+    _base.check_int(max_consecutive_errors, "max_consecutive_errors", minimum=0)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> optax.ApplyIfFiniteState:
@@ -75,6 +72,7 @@ def apply_if_finite(
             inner_state=inner.init(params),
         )
 
+    @jax.named_scope("gradcomm.apply_if_finite")
     def update_fn(
         updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.ApplyIfFiniteState]:

@@ -31,7 +31,7 @@ from gradcomm import _base, wire
 from gradcomm import topology as topologies
 from gradcomm._flat import FlatLayout
 
-TopologySpec = str | topologies.Topology | Callable[[int], topologies.Topology]
+TopologySpec = topologies.Name | topologies.Topology | Callable[[int], topologies.Topology]
 
 
 class SgpState(NamedTuple):
@@ -64,6 +64,7 @@ class DpsgdState(NamedTuple):
     count: jax.Array
 
 
+@jax.named_scope("exchange")
 def _mix(
     x: list[jax.Array], w: jax.Array, graph: topologies.Topology, count: jax.Array,
     axis_name: _base.AxisName, pairwise: bool, summed: bool,
@@ -146,14 +147,6 @@ def _unpack(
     return jax.tree.unflatten(treedef, out)
 
 
-def _check_overlap(overlap: Any) -> None:
-    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
-        raise ValueError(
-            f"overlap must be a non-negative int, got {overlap!r}"
-            + _base.static_hint(overlap, "overlap")
-        )
-
-
 def sgp(
     axis_name: _base.AxisName = "data",
     *,
@@ -216,7 +209,7 @@ def sgp(
     _base.check_axis_name(axis_name)
     _base.check_exchange(exchange)
     topologies.check_topology(topology)
-    _check_overlap(overlap)
+    _base.check_int(overlap, "overlap", minimum=0)
     if (
         isinstance(allreduce_steps, bool)
         or not isinstance(allreduce_steps, int)
@@ -243,6 +236,7 @@ def sgp(
             in_flight_weight=slots_w,
         )
 
+    @jax.named_scope("gradcomm.sgp")
     def update_fn(
         updates: Any, state: SgpState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, SgpState]:
@@ -359,6 +353,7 @@ def dpsgd(
         del params
         return DpsgdState(count=_base.zero_count())
 
+    @jax.named_scope("gradcomm.dpsgd")
     def update_fn(
         updates: Any, state: DpsgdState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, DpsgdState]:

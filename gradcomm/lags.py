@@ -162,6 +162,7 @@ def lags(
     def init_fn(params: Any) -> LagsState:
         return LagsState(count=_base.zero_count(), residual=_zeros_like(params))
 
+    @jax.named_scope("gradcomm.lags")
     def update_fn(
         updates: Any, state: LagsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LagsState]:
@@ -176,11 +177,11 @@ def lags(
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         sent, sizes = [], []
         for i in ids:
-            acc = (residuals[i] + leaves[i]).ravel()
+            acc = sparse.accumulate(residuals[i], leaves[i])
             values, indices = sparse.topk(acc, sparse.num_kept(acc.size, densities[i]), selector)
             sent.append((values, indices))
             sizes.append(acc.size)
-            new_residuals[i] = sparse.drop_sent(acc, indices).reshape(leaves[i].shape)
+            new_residuals[i] = sparse.unsent(acc, indices, residuals[i])
         means = sparse.sum_sparse(sent, sizes, axis_name, divide_by=n)
         for i, mean in zip(ids, means, strict=True):
             out[i] = mean.astype(leaves[i].dtype).reshape(leaves[i].shape)
@@ -233,6 +234,7 @@ def slgs(
     def init_fn(params: Any) -> SlgsState:
         return SlgsState(count=_base.zero_count(), residual=_zeros_like(params))
 
+    @jax.named_scope("gradcomm.slgs")
     def update_fn(
         updates: Any, state: SlgsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, SlgsState]:
@@ -242,7 +244,9 @@ def slgs(
         leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)
         dtype = jnp.result_type(*leaves)
-        accs = [(r + u).astype(dtype).ravel() for r, u in zip(residuals, leaves, strict=True)]
+        accs = [
+            sparse.accumulate(r, u).astype(dtype) for r, u in zip(residuals, leaves, strict=True)
+        ]
         acc = _packing.concatenate(accs)
         values, indices = sparse.topk(acc, sparse.num_kept(acc.size, density), selector)
         sizes = [a.size for a in accs]
@@ -250,9 +254,9 @@ def slgs(
         out, new_residuals, start = [], [], 0
         for leaf, r, a, mean in zip(leaves, residuals, accs, means, strict=True):
             # The leaf's acc with its sent entries zeroed: no model-sized slicing.
-            kept = a.at[sparse.segment(indices, start, a.size)].set(0, mode="drop")
+            segment = sparse.segment(indices, start, a.size)
             out.append(mean.astype(leaf.dtype).reshape(leaf.shape))
-            new_residuals.append(kept.astype(r.dtype).reshape(r.shape))
+            new_residuals.append(sparse.unsent(a, segment, r, unique_indices=False))
             start += a.size
         new_state = SlgsState(
             count=optax.safe_increment(state.count),

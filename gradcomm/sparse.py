@@ -206,6 +206,7 @@ def _sampled_indices(x: jax.Array, k: int) -> jax.Array:
     return jnp.take(index, _compact(_exactly_k(keys, k), k)[0])
 
 
+@jax.named_scope("compress")
 def topk(x: jax.Array, k: int, selector: Selector = "exact") -> tuple[jax.Array, jax.Array]:
     """The k entries of largest magnitude of a flat array.
 
@@ -315,9 +316,29 @@ def sparse_bytes_exceed_dense(size: int, k: int, itemsize: int, n: int) -> bool:
     return (n - 1) * k * (itemsize + 4) >= 2 * (n - 1) / n * size * itemsize if n > 1 else True
 
 
-def drop_sent(acc: jax.Array, indices: jax.Array) -> jax.Array:
-    """The residual `acc - sent`: acc (flat) with the sent entries set to zero, exactly."""
-    return acc.at[indices].set(0, unique_indices=True)
+# Error feedback (LAGS eq. 5, SLGS, gradient dropping's Algorithm 1): each device adds its
+# update to what it has not sent yet, sends part of the sum, and keeps the rest.
+
+
+def accumulate(residual: jax.Array, update: jax.Array) -> jax.Array:
+    """Error feedback's accumulator `residual + update`, flat, in their promoted dtype."""
+    return (residual + update).ravel()
+
+
+def as_residual(kept: jax.Array, residual: jax.Array) -> jax.Array:
+    """A flat new residual in the old one's dtype and shape: the state's dtype never drifts
+    (a bf16 residual plus f32 updates stays bf16), so a jitted step never retraces."""
+    return kept.astype(residual.dtype).reshape(residual.shape)
+
+
+def unsent(
+    acc: jax.Array, indices: jax.Array, residual: jax.Array, *, unique_indices: bool = True
+) -> jax.Array:
+    """The new residual `acc - sent`: `acc` with the sent entries set to zero, exactly, as
+    `as_residual`. Indices outside `acc` are dropped; `unique_indices` promises that the
+    others do not repeat."""
+    kept = acc.at[indices].set(0, unique_indices=unique_indices, mode="drop")
+    return as_residual(kept, residual)
 
 
 def densify(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
@@ -325,6 +346,7 @@ def densify(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
     return jnp.zeros(size, values.dtype).at[indices].set(values, unique_indices=True)
 
 
+@jax.named_scope("exchange")
 def _gather_pairs(
     sent: list[tuple[jax.Array, jax.Array]], axis_name: _base.AxisName
 ) -> tuple[jax.Array, jax.Array]:

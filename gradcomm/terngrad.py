@@ -145,6 +145,7 @@ def _as_key(key: jax.Array) -> jax.Array:
     return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
 
 
+@jax.named_scope("compress")
 def ternarize(
     g: jax.Array, key: jax.Array, *, clip: float | None = 2.5
 ) -> tuple[jax.Array, jax.Array]:
@@ -228,6 +229,7 @@ def _row_starts(size: int) -> tuple[int, list[int]]:
     return b, starts
 
 
+@jax.named_scope("compress")
 def _pack_leaf(
     g: jax.Array, bound: jax.Array, scale: jax.Array, key_words: jax.Array, start: int
 ) -> jax.Array:
@@ -243,6 +245,7 @@ def _pack_leaf(
     return _packing.pack(rows, 3, jnp.uint8)
 
 
+@jax.named_scope("combine")
 def _unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
     """Inverse of `_pack_leaf`'s layout: the digit rows `(b,)` of one leaf to `(size,)`."""
     b, starts = _row_starts(size)
@@ -251,6 +254,7 @@ def _unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
     return _packing.concatenate([*rows[:-1], rows[-1][(_PER_BYTE - 1) * b - starts[-1] :]])
 
 
+@jax.named_scope("exchange")
 def _code_sums(
     packed: list[jax.Array], axis_name: _base.AxisName, n: int, strategy: Strategy
 ) -> list[list[jax.Array]]:
@@ -401,8 +405,7 @@ def terngrad(
     _base.check_axis_name(axis_name)
     _check_clip(clip)
     _check_dense(dense)
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise ValueError(f"seed must be an int, got {seed!r}" + _base.static_hint(seed, "seed"))
+    _base.check_int(seed, "seed")
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
 
@@ -411,6 +414,7 @@ def terngrad(
         key = jax.random.key_data(jax.random.key(seed))
         return TernGradState(count=_base.zero_count(), key=key)
 
+    @jax.named_scope("gradcomm.terngrad")
     def update_fn(
         updates: Any, state: TernGradState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, TernGradState]:

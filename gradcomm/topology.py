@@ -21,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
+
+from gradcomm import _base
 
 Move = tuple[int, ...]
 
@@ -107,8 +110,7 @@ def swap_distance(move: Move) -> int | None:
 
 
 def _check_n(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of devices must be a positive int, got {n!r}")
+    _base.check_int(n, "the number of devices", minimum=1)
 
 
 def _shift_phase(n: int, shifts: Sequence[int]) -> tuple[tuple[Move, ...], str]:
@@ -139,8 +141,7 @@ def exponential(n: int, *, peers: int = 1, both_directions: bool = False) -> Top
       ((3, 4, 5, 0, 1, 2),)
     """
     _check_n(n)
-    if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
-        raise ValueError(f"peers must be a positive int, got {peers!r}")
+    _base.check_int(peers, "peers", minimum=1)
     base = peers + 1
     rounds = 1 if n == 1 else math.ceil(math.log(n) / math.log(base) - 1e-12)
     phases = []
@@ -177,7 +178,16 @@ def hypercube(n: int) -> Topology:
     return Topology(f"hypercube({n})", n, tuple(phases), labels)
 
 
-TOPOLOGIES: dict[str, Callable[[int], Topology]] = {
+Name = Literal[
+    "exponential",
+    "exponential-2peer",
+    "exponential-bidirectional",
+    "hypercube",
+    "ring",
+    "ring-bidirectional",
+    "complete",
+]
+TOPOLOGIES: dict[Name, Callable[[int], Topology]] = {
     "exponential": exponential,
     "exponential-2peer": lambda n: exponential(n, peers=2),
     "exponential-bidirectional": lambda n: exponential(n, both_directions=True),
@@ -188,7 +198,7 @@ TOPOLOGIES: dict[str, Callable[[int], Topology]] = {
 }
 
 
-def resolve(topology: str | Topology | Callable[[int], Topology], n: int) -> Topology:
+def resolve(topology: Name | Topology | Callable[[int], Topology], n: int) -> Topology:
     """The topology for n devices, from a name in `TOPOLOGIES`, a factory or a `Topology`."""
     if isinstance(topology, Topology):
         built = topology

@@ -81,6 +81,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import jax
 
+from gradcomm import _base
+
 _DTYPE_BYTES = {
     "pred": 1,
     "s4": 0.5,
@@ -192,10 +194,7 @@ def branch(label: str, *, every: int | None = None, first: int | None = None) ->
             f'branch label must be non-empty printable text without / [ ] | " \\, got {label!r}'
         )
     for name, value in (("every", every), ("first", first)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"branch {name} must be a positive int or None, got {value!r}")
+        _base.check_int(value, f"branch {name}", minimum=1, optional=True)
     if every is not None and first is not None:
         raise ValueError("a branch runs either periodically (every) or in a warm-up (first)")
     schedule = f"|every={every}" if every else f"|first={first}" if first else ""

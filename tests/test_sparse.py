@@ -55,7 +55,7 @@ def test_ties_zeros_and_non_finite_values():
 def test_residual_plus_sent_is_acc_bit_for_bit():
     acc = jnp.asarray(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
     values, idx = sparse.topk(acc, 17, "sampled")
-    residual = sparse.drop_sent(acc, idx)
+    residual = sparse.unsent(acc, idx, acc)
     sent = sparse.densify(values, idx, acc.size)
     np.testing.assert_array_equal(residual + sent, acc)
     assert int((residual == 0).sum()) == 17

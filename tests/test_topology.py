@@ -1,5 +1,7 @@
 """Gossip topologies: column-stochastic mixing matrices, no self-loops, the right peers."""
 
+import typing
+
 import numpy as np
 import pytest
 
@@ -59,3 +61,7 @@ def test_printing_and_errors():
         topology.Topology("bad", 2, (((0, 1),),), ("identity",))
     with pytest.raises(ValueError, match="peers"):
         topology.exponential(4, peers=0)
+
+
+def test_the_name_type_lists_every_topology():
+    assert set(typing.get_args(topology.Name)) == set(topology.TOPOLOGIES)
