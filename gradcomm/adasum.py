@@ -51,9 +51,7 @@ _NUM_STATS = 5  # scale_a, scale_b, a.b, a.a, b.b per leaf
 
 
 class AdasumState(NamedTuple):
-    """State of `adasum`: only a step counter; Adasum itself is stateless."""
-
-    count: jax.Array
+    """State of `adasum`: empty; Adasum is stateless."""
 
 
 def _local_stats(own: jax.Array, other: jax.Array, layout: FlatLayout, ct: np.dtype) -> jax.Array:
@@ -499,14 +497,14 @@ def adasum(
 
     def init_fn(params: Any) -> AdasumState:
         del params
-        return AdasumState(count=_base.zero_count())
+        return AdasumState()
 
     @jax.named_scope("gradcomm.adasum")
     def update_fn(
         updates: Any, state: AdasumState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AdasumState]:
-        del params, extra_args
+        del state, params, extra_args
         updates = adasum_reduce(updates, axis_name, local_axis=local_axis, exchange=exchange)
-        return updates, AdasumState(count=optax.safe_increment(state.count))
+        return updates, AdasumState()
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

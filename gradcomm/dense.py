@@ -12,9 +12,7 @@ from gradcomm import _base
 
 
 class AllReduceState(NamedTuple):
-    """State of `allreduce`: only a step counter."""
-
-    count: jax.Array
+    """State of `allreduce`: empty; an all-reduce is stateless."""
 
 
 def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformationExtraArgs:
@@ -45,16 +43,15 @@ def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformatio
 
     def init_fn(params: Any) -> AllReduceState:
         del params
-        return AllReduceState(count=_base.zero_count())
+        return AllReduceState()
 
     @jax.named_scope("gradcomm.allreduce")
     def update_fn(
         updates: Any, state: AllReduceState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AllReduceState]:
-        del params, extra_args
+        del state, params, extra_args
         _base.check_updates(updates, axis_name, "allreduce")
         _base.axis_size(axis_name)
-        updates = lax.pmean(updates, axis_name)
-        return updates, AllReduceState(count=optax.safe_increment(state.count))
+        return lax.pmean(updates, axis_name), AllReduceState()
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -30,16 +30,14 @@ from gradcomm import _base, _packing, sparse
 
 
 class LagsState(NamedTuple):
-    """State of `lags`: a step counter and, per leaf, what this device has not sent."""
+    """State of `lags`: per leaf, what this device has not sent (the residual)."""
 
-    count: jax.Array
     residual: Any
 
 
 class SlgsState(NamedTuple):
-    """State of `slgs`: a step counter and, per leaf, what this device has not sent."""
+    """State of `slgs`: per leaf, what this device has not sent (the residual)."""
 
-    count: jax.Array
     residual: Any
 
 
@@ -160,7 +158,7 @@ def lags(
     sparse.check_selector(selector)
 
     def init_fn(params: Any) -> LagsState:
-        return LagsState(count=_base.zero_count(), residual=_zeros_like(params))
+        return LagsState(residual=_zeros_like(params))
 
     @jax.named_scope("gradcomm.lags")
     def update_fn(
@@ -186,7 +184,6 @@ def lags(
         for i, mean in zip(ids, means, strict=True):
             out[i] = mean.astype(leaves[i].dtype).reshape(leaves[i].shape)
         new_state = LagsState(
-            count=optax.safe_increment(state.count),
             residual=jax.tree.unflatten(jax.tree.structure(state.residual), new_residuals),
         )
         return jax.tree.unflatten(treedef, out), new_state
@@ -232,7 +229,7 @@ def slgs(
     sparse.check_selector(selector)
 
     def init_fn(params: Any) -> SlgsState:
-        return SlgsState(count=_base.zero_count(), residual=_zeros_like(params))
+        return SlgsState(residual=_zeros_like(params))
 
     @jax.named_scope("gradcomm.slgs")
     def update_fn(
@@ -259,7 +256,6 @@ def slgs(
             new_residuals.append(sparse.unsent(a, segment, r, unique_indices=False))
             start += a.size
         new_state = SlgsState(
-            count=optax.safe_increment(state.count),
             residual=jax.tree.unflatten(jax.tree.structure(state.residual), new_residuals),
         )
         return jax.tree.unflatten(treedef, out), new_state

@@ -252,7 +252,7 @@ def test_chained_after_adam_the_loss_falls():
         params, state, metrics = step(params, state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.05 * losses[0]
-    assert int(state[1].count) == 60
+    assert state[1] == gradcomm.AdasumState()  # nothing to keep
 
 
 def test_orthogonality_measure():
@@ -277,12 +277,12 @@ def orthogonality_fn(tree):
     return gradcomm.orthogonality(tree, "data")
 
 
-def test_state_counts_steps():
+def test_state_is_empty():
     tx = gradcomm.adasum()
     state = tx.init({"w": jnp.ones(3)})
-    assert isinstance(state, gradcomm.AdasumState)
+    assert state == gradcomm.AdasumState() and not jax.tree.leaves(state)
     _, state = jax.jit(jax.vmap(lambda g: tx.update(g, state), axis_name="data"))(jnp.ones((2, 3)))
-    np.testing.assert_array_equal(state.count, [1, 1])
+    assert state == gradcomm.AdasumState()
 
 
 @pytest.mark.parametrize(
