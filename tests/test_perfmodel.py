@@ -335,6 +335,28 @@ def test_calibrate_refits_the_allreduce_factor():
     assert cal.backend.factor("allreduce", 2) == pytest.approx(pm.GLOO.factor("allreduce", 2))
 
 
+def test_calibrate_fits_allreduce_per_rate():
+    # gloo's ring runs at a different factor on each link: 1.2 at 100 Mbit, 0.9 at 1 Gbit.
+    def at(factor):
+        backend = dataclasses.replace(
+            pm.GLOO, factors={**pm.GLOO.factors, ("allreduce", 2): factor, ("allreduce", 4): factor}
+        )
+        return pm.Calibration(backend, TRUTH.base_s, TRUTH.cost_per_byte, TRUTH.unshaped_gbps, P)
+
+    records = simulate(at(1.2), rates=(None, 100.0)) + [
+        r for r in simulate(at(0.9), rates=(None, 1000.0)) if r["rate_mbit"] == 1000.0
+    ]
+    cal = pm.calibrate(records)
+    for n in (2, 4):
+        assert cal.rate_factors[n, 100.0] == pytest.approx(1.2, rel=0.03)
+        assert cal.rate_factors[n, 1000.0] == pytest.approx(0.9, rel=0.03)
+    # (Within 3%: the unshaped cells are fitted with the median factor.) Each shaped
+    # allreduce is predicted with its rate's factor; one factor for both would miss both.
+    for r in records:
+        if r["rate_mbit"] and r["method"] == "allreduce":
+            assert cal.predict_record(r).step_s == pytest.approx(r["step_s"], rel=0.03)
+
+
 def test_calibrate_drops_a_negative_link_term():
     # Unshaped steps made with a negative link term at N = 2 (sending more made it faster):
     # that term is dropped (no bandwidth cost), N = 4's is kept.

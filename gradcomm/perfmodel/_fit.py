@@ -56,6 +56,9 @@ class Calibration:
         group it scales with that group's allreduce compute (`settings`).
       unshaped_gbps: nodes -> an unshaped link's effective bandwidth (inf: no cost seen).
       params, itemsize: the benchmark model's.
+      rate_factors: (ring size, shaped rate in Mbit/s) -> allreduce's factor at that rate,
+        which a record at that rate is predicted with (gloo's ring ran at 1.02x of the
+        ideal at 100 Mbit and 0.82x at 1 Gbit); `backend` holds the median over rates.
     """
 
     backend: Backend
@@ -64,6 +67,7 @@ class Calibration:
     unshaped_gbps: Mapping[int, float]
     params: int
     itemsize: int = 4
+    rate_factors: Mapping[tuple[int, float], float] = dataclasses.field(default_factory=dict)
 
     def settings(
         self, method: str, options: Mapping[str, Any] | None, nodes: int, per_process: int = 1
@@ -88,6 +92,14 @@ class Calibration:
         m, o = (method, None) if method else (r["method"], r.get("options"))
         gbps = _gbps(r) or self.unshaped_gbps.get(r["nodes"], math.inf)
         kw = self.settings(m, o, *_group(r)) | {"compute_s": self.base_s[_group(r)]}
+        at_rate = {
+            ("allreduce", n): f for (n, rate), f in self.rate_factors.items()
+            if rate == r.get("rate_mbit")
+        }  # fmt: skip
+        if at_rate:
+            kw["backend"] = dataclasses.replace(
+                self.backend, factors={**self.backend.factors, **at_rate}
+            )
         amortize = r.get("timing") != "median"
         nodes = _ring(r) if m == "allreduce" else r["nodes"]
         return predict(m, r["params"], nodes, gbps, options=o, amortize=amortize, **kw)
@@ -158,10 +170,11 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
     cost per method and options, quoted at the reference group and scaled by each
     group's compute (processes that share cores slow down alike). From the shaped cells:
     allreduce's pattern factor per node count, the median of (allreduce step - compute) /
-    ideal ring time; where a group has no unshaped cell, its compute is the intercept of a
-    line through its shaped allreduce steps (or, at a single rate, what the pattern table
-    leaves). Every other pattern factor is the backend's (for gloo, `GLOO_MEASURED`).
-    Nothing is fitted per cell.
+    ideal ring time, over all rates (the backend's) and per rate (`rate_factors`); where
+    a group has no unshaped cell, its compute is the intercept of a line through its
+    shaped allreduce steps (or, at a single rate, what the pattern table leaves). Every
+    other pattern factor is the backend's (for gloo, `GLOO_MEASURED`). Nothing is fitted
+    per cell.
 
     Args:
       records: network.json records (see docs/bench/model.md for the fields used).
@@ -179,27 +192,35 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
       1.08
     """
     rec = [r for r in records if r.get("step_s") is not None]
-    shaped: dict[Group, list[tuple[float, float]]] = {}  # group: (step, ideal comm)
+    shaped: dict[Group, list[tuple[float, float, float]]] = {}  # group: (step, ideal, rate)
     for r in rec:
         if (gbps := _gbps(r)) is not None:
             ideal = predict("allreduce", r["params"], _ring(r), gbps, itemsize=_itemsize(r))
-            shaped.setdefault(_group(r), []).append((r["allreduce_step_s"], ideal.comm_s))
+            shaped.setdefault(_group(r), []).append(
+                (r["allreduce_step_s"], ideal.comm_s, r["rate_mbit"])
+            )
     fitted = backend
     for _ in range(3):  # the unshaped fit uses allreduce's refitted factors: iterate
         base, inverse, extra = _fit_unshaped(rec, fitted)
         for g, obs in shaped.items():
             if g in base:
                 continue
-            steps, ideal = np.array(obs).T
+            steps, ideal, _ = np.array(obs).T
             if len(set(ideal)) > 1:  # no unshaped cell: a line through the shaped allreduce
                 base[g] = max(float(np.polyfit(ideal, steps, 1)[1]), 0.0)
             else:  # one rate: what the pattern table's factor leaves
                 f = backend.factor("allreduce", g[0] * g[1])
-                base[g] = max(statistics.median(t - f * c for t, c in obs), 0.0)
+                base[g] = max(statistics.median(t - f * c for t, c, _ in obs), 0.0)
         factors = dict(backend.factors)
-        for n in sorted({a * b for a, b in shaped}):  # per ring size
-            ratios = [(t - base[g]) / c for g in shaped if g[0] * g[1] == n for t, c in shaped[g]]
-            factors[("allreduce", n)] = statistics.median(r for r in ratios if r)
+        by_rate: dict[tuple[int, float], list[float]] = {}
+        for g, obs in shaped.items():  # per ring size, and per ring size and rate
+            by_rate.update({(g[0] * g[1], rate): [] for _, _, rate in obs})
+            for t, c, rate in obs:
+                by_rate[g[0] * g[1], rate].append((t - base[g]) / c)
+        for n in sorted({n for n, _ in by_rate}):
+            ratios = [x for (m, _), xs in by_rate.items() if m == n for x in xs if x]
+            factors[("allreduce", n)] = statistics.median(ratios)
+        rate_factors = {k: statistics.median(x for x in xs if x) for k, xs in by_rate.items()}
         fitted = dataclasses.replace(backend, factors=factors)
     first = rec[0] if rec else {"params": 1, "param_bytes": 4}
     return Calibration(
@@ -209,6 +230,7 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
         {n: 1 / v if v > 0 else math.inf for n, v in inverse.items()},
         first["params"],
         _itemsize(first),
+        rate_factors if shaped else {},
     )
 
 
