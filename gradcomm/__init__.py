@@ -6,7 +6,7 @@ collectives over a named mesh axis. `gradcomm.parallel` builds the sharded train
 `gradcomm.wire` reads the bytes each device sends from the compiled program.
 """
 
-from gradcomm import parallel, perfmodel, sparse, topology, wire
+from gradcomm import parallel, perfmodel, sparse, sync, topology, wire
 from gradcomm.adasum import (
     AdasumState,
     adasum,
@@ -34,6 +34,7 @@ from gradcomm.lags import (
     lags_speedup_bound,
     slgs,
 )
+from gradcomm.sync import ParamsSync, PeriodicAverageState, average_params, periodic_average
 from gradcomm.terngrad import TernGradState, ternarize, terngrad
 
 __version__ = "0.1.0"
@@ -46,6 +47,8 @@ __all__ = [
     "LagsPlan",
     "LagsState",
     "LocalSgdState",
+    "ParamsSync",
+    "PeriodicAverageState",
     "SgpState",
     "SlgsState",
     "TernGradState",
@@ -54,6 +57,7 @@ __all__ = [
     "adasum_reduce",
     "allreduce",
     "apply_if_finite",
+    "average_params",
     "consensus_distance",
     "dpsgd",
     "gradient_dropping",
@@ -66,9 +70,11 @@ __all__ = [
     "orthogonality",
     "parallel",
     "perfmodel",
+    "periodic_average",
     "sgp",
     "slgs",
     "sparse",
+    "sync",
     "ternarize",
     "terngrad",
     "topology",

@@ -101,9 +101,8 @@ def gradient_dropping(
       average_every: average the parameters after steps k, 2k, ... (the paper uses 500).
         The optimizer's state is not averaged, as in the paper. This needs
         `gradcomm.parallel.train_step(..., params_per_device=True)`, which assigns the
-        exact mean; in another loop, chain `gradcomm.local_sgd(axis_name, every=k)` after
-        the optimizer instead (this transformation sits before it, where a parameter
-        delta cannot be expressed).
+        exact mean; in another loop, leave it unset and run
+        `gradcomm.periodic_average(axis_name, every=k)` on the params after each step.
       warmup_steps: length of the drop-ratio warm-up (the paper's 1000); 0 turns it off.
       selector: "sampled" or "exact" top-k, as in `gradcomm.lags`.
 
@@ -166,8 +165,10 @@ def gradient_dropping(
                     "mean, which gradcomm.parallel.train_step(..., params_per_device=True) "
                     "does when it asks; no request arrived here. In another loop, or inside "
                     "a wrapper that drops extra arguments (optax.MultiSteps), leave "
-                    "average_every unset and chain gradcomm.local_sgd(axis_name, every=k) "
-                    "after the optimizer, outside the wrapper"
+                    "average_every unset and average the params yourself after each step: "
+                    "sync = gradcomm.periodic_average(axis_name, every=k), then "
+                    "`params, sync_state = sync.update(params, sync_state)` (or "
+                    "train_step(..., sync=sync))"
                 )
         n = _base.axis_size(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
@@ -249,6 +250,8 @@ def local_sgd(
     Place it last, after the optimizer: `optax.chain(optax.sgd(0.1), gradcomm.local_sgd(
     "data", every=20))`, with params kept per device. Each device applies its own update;
     after steps k, 2k, ... (counting from 1) the parameters are averaged across devices.
+    The same averaging as an explicit rule on the params: `gradcomm.periodic_average`,
+    passed to `train_step(..., sync=...)` or run in your own loop.
     Under `gradcomm.parallel.train_step(..., params_per_device=True)` the step assigns the
     exact mean (every device the same bits). Elsewhere the update at those steps is
     `mean(params + update) - params`, the mean up to the rounding of adding it back.

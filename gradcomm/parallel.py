@@ -31,7 +31,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import _base, wire
+from gradcomm.sync import ParamsSync
 
 
 def make_mesh(
@@ -423,6 +424,36 @@ def _layout(
         flags = new
 
 
+class TrainState(NamedTuple):
+    """What `init_state` returns with a `sync`: the transformation's state and the sync's.
+
+    The sync's state is replicated (the same on every device, by `ParamsSync`'s contract).
+    """
+
+    tx: Any
+    sync: Any
+
+
+def _check_sync(sync: ParamsSync | None, params_per_device: bool) -> None:
+    if sync is None:
+        return
+    if not isinstance(sync, ParamsSync):
+        raise ValueError(
+            f"sync must be a gradcomm.ParamsSync (gradcomm.periodic_average(...)), got {sync!r}"
+        )
+    if not params_per_device:
+        raise ValueError(
+            "sync sets per-device params to one value; replicated params are one value "
+            "already: pass params_per_device=True (with per-device params), or drop sync"
+        )
+
+
+def _sync_state(sync: ParamsSync, params: Any, mesh: Mesh, params_per_device: bool) -> Any:
+    """The sync's state from one device's params, replicated on the mesh."""
+    local = host_copy(params, per_device=params_per_device)
+    return _place(jax.jit(sync.init)(local), NamedSharding(mesh, P()))
+
+
 def init_state(
     tx: optax.GradientTransformation,
     params: Any,
@@ -430,6 +461,7 @@ def init_state(
     *,
     axes: _base.AxisName | None = None,
     params_per_device: bool = False,
+    sync: ParamsSync | None = None,
 ) -> Any:
     """Initialises `tx`'s state on every device, per device only where it must be.
 
@@ -443,11 +475,14 @@ def init_state(
       mesh: the mesh.
       axes: the data-parallel axes (default: all mesh axes).
       params_per_device: whether `params` carry a leading device axis.
+      sync: the `ParamsSync` that `train_step` will run (needs `params_per_device`).
 
     Returns:
       The state: per-device leaves of shape `(num_shards, *leaf_shape)` sharded over
-      `axes`, the others replicated.
+      `axes`, the others replicated. With `sync`, a `TrainState` of that state and the
+      sync's (replicated).
     """
+    _check_sync(sync, params_per_device)
     names = _axes(mesh, axes)
     spec = device_spec(mesh, names)
     param_spec = spec if params_per_device else P()
@@ -462,7 +497,11 @@ def init_state(
 
     shapes = jax.eval_shape(tx.init, _local_shapes(params, params_per_device))
     out_specs = _state_specs(shapes, flags, spec)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=param_spec, out_specs=out_specs))(params)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=param_spec, out_specs=out_specs)
+    state = jax.jit(mapped)(params)
+    if sync is None:
+        return state
+    return TrainState(state, _sync_state(sync, params, mesh, params_per_device))
 
 
 class TrainStep:
@@ -486,7 +525,10 @@ class TrainStep:
         params_per_device: bool,
         has_aux: bool,
         donate: bool,
+        sync: ParamsSync | None = None,
     ) -> None:
+        _check_sync(sync, params_per_device)
+        self._sync = sync
         self._tx, self._mesh, self._names = optax.with_extra_args_support(tx), mesh, names
         self._params_per_device, self._has_aux, self._donate = params_per_device, has_aux, donate
         self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
@@ -504,18 +546,23 @@ class TrainStep:
             # over the devices; the transformation must see each device's own gradient.
             out, grads = self._grad_fn(jax.tree.map(lambda x: _base.vary(x, names), params), batch)
             loss, aux = out if self._has_aux else (out, {})
+            state = _unstack(state, flags)
+            tx_state = state.tx if self._sync else state
             with _base.averaging_periods() as periods:
-                updates, state = tx.update(
-                    grads, _unstack(state, flags), params, **{_base.DEFER_AVERAGING: True}
+                updates, tx_state = tx.update(
+                    grads, tx_state, params, **{_base.DEFER_AVERAGING: True}
                 )
             params = optax.apply_updates(params, updates)
             if self._params_per_device:
-                due = _averaging_due(state)
+                due = _averaging_due(tx_state)
                 if due is not None:  # the exact mean, the same bits on every device
                     average = functools.partial(_mean, names=names)
                     if len(set(periods)) == 1:  # a known schedule: named for gradcomm.wire
                         average = wire.branch("average params", every=periods[0])(average)
                     params = lax.cond(due, average, lambda p: p, params)
+                if self._sync:
+                    params, sync_state = self._sync.update(params, state.sync)
+                    tx_state = TrainState(tx_state, sync_state)
                 params = jax.tree.map(lambda x: x[None], params)
             else:
                 for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -529,11 +576,18 @@ class TrainStep:
                             f"params_per_device=True"
                         )
             metrics = lax.pmean({"loss": loss, **aux}, names)
-            return params, _stack(state, flags), metrics
+            return params, _stack(tx_state, flags), metrics
 
         return body
 
     def _jitted(self, params: Any, state: Any) -> Any:
+        if isinstance(state, TrainState) != bool(self._sync):
+            raise ValueError(
+                "a step built with sync takes the TrainState of init_state(..., sync=sync)"
+                if self._sync
+                else "this state holds a sync's state (a TrainState): build the step with "
+                "the same sync, train_step(..., sync=sync)"
+            )
         shapes = tuple(np.shape(x) for x in jax.tree.leaves(state))
         if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
@@ -543,11 +597,15 @@ class TrainStep:
             if key in self._compiled:
                 return self._compiled[key]
             flags = _layout(self._tx, params, self._mesh, self._names, self._params_per_device)
+            if self._sync:  # the sync's state is replicated
+                flags += [False] * len(jax.tree.leaves(state.sync))
         else:
             flags = _per_device_leaves(state, self._spec)
             key = (jax.tree.structure(state), tuple(flags), shapes)
         if key not in self._compiled:
             local = jax.eval_shape(self._tx.init, _local_shapes(params, self._params_per_device))
+            if self._sync:
+                local = TrainState(local, state.sync)
             _check_state_layout(state, flags, local, self._num_shards, self._names)
             state_specs = _state_specs(state, flags, self._spec)
             mapped = jax.shard_map(
@@ -590,6 +648,7 @@ def train_step(
     params_per_device: bool = False,
     has_aux: bool = False,
     donate: bool = False,
+    sync: ParamsSync | None = None,
 ) -> TrainStep:
     """Builds the jitted data-parallel step `(params, state, batch) -> (params, state, metrics)`.
 
@@ -601,7 +660,9 @@ def train_step(
     k)`) happens here: the step passes `defer_params_averaging=True` to the
     transformation, which then returns its plain update and marks the step in its state,
     and the step sets the per-device params to their exact mean (the same bits on every
-    device, which no additive update could guarantee).
+    device, which no additive update could guarantee). `sync` says the same out loud: a
+    `gradcomm.ParamsSync` (`gradcomm.periodic_average(axes, every=k)`) that runs on the
+    params after each step, as a hand-written loop would run it.
 
     Args:
       loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, metrics_dict)` with `has_aux`.
@@ -614,10 +675,13 @@ def train_step(
         devices is an error at trace time.
       has_aux: whether `loss_fn` returns `(loss, metrics)`.
       donate: donate params and state buffers to the step.
+      sync: a `gradcomm.ParamsSync` applied to the params after each step (needs
+        `params_per_device`); the state is then the `TrainState` that
+        `init_state(..., sync=sync)` returns.
 
     Returns:
       A `TrainStep`: `step(params, state, batch)` returns the new params, the new state and
       a dict of metrics (`"loss"` and any auxiliary ones).
     """
     names = _axes(mesh, axes)
-    return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate)
+    return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync)

@@ -636,8 +636,8 @@ LOOPS = ["train_step", "hand_loop"]
 PENDING = "wrapper fix pending"
 WRAPPER_XFAILS: dict[tuple[str, str], str] = {}  # (case, wrapper): why it fails
 # gradient_dropping(average_every=k) needs train_step's deferral flag, which MultiSteps,
-# a plain GradientTransformation, does not pass on: it raises and names local_sgd.
-REFUSED = {("gradient_dropping_average", "multisteps"): "local_sgd"}
+# a plain GradientTransformation, does not pass on: it raises and names periodic_average.
+REFUSED = {("gradient_dropping_average", "multisteps"): "periodic_average"}
 
 
 def _wrapper_matrix() -> list[Any]:

@@ -150,7 +150,7 @@ def test_arguments_and_params_are_checked():
     averaged = gradcomm.gradient_dropping("data", average_every=5)
     with pytest.raises(ValueError, match="needs params"):
         jax.vmap(lambda x: averaged.update(x, averaged.init(x)), axis_name="data")(g)
-    with pytest.raises(ValueError, match="local_sgd"):  # outside parallel.train_step
+    with pytest.raises(ValueError, match="periodic_average"):  # outside parallel.train_step
         jax.vmap(lambda x: averaged.update(x, averaged.init(x), x), axis_name="data")(g)
     local = gradcomm.local_sgd("data")
     with pytest.raises(ValueError, match="needs params"):

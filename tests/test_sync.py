@@ -1,0 +1,174 @@
+"""Explicit parameter synchronization: `gradcomm.average_params`, `periodic_average`, and
+`train_step(..., sync=...)`.
+
+The sync is applied to the params themselves after the optimizer's step, the same bits on
+every device, in `train_step` and in a hand-written `shard_map` loop alike; it gives the
+same bits as the averaging that `train_step` performs for `local_sgd` and
+`gradient_dropping(average_every=...)`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+from gradcomm import parallel, wire
+
+N, K, STEPS = 4, 3, 7
+
+
+def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def problem():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8 * N, 5)).astype(np.float32)
+    batch = {"x": x, "y": (x @ rng.standard_normal(5)).astype(np.float32)}
+    params = {"w": np.zeros(5, np.float32), "b": np.zeros((), np.float32)}
+    return params, batch
+
+
+def train(tx, sync=None, steps=STEPS):
+    mesh = mesh_of(N)
+    params, batch = problem()
+    p = parallel.per_device(params, mesh)
+    state = parallel.init_state(tx, p, mesh, params_per_device=True, sync=sync)
+    step = parallel.train_step(loss_fn, tx, mesh, params_per_device=True, sync=sync)
+    history = []
+    for _ in range(steps):
+        p, state, _ = step(p, state, batch)
+        history.append(jax.tree.map(np.asarray, p))
+    return history, step, p, state, batch
+
+
+@pytest.mark.parametrize(
+    ("implicit", "explicit"),
+    [
+        (
+            lambda: optax.chain(optax.sgd(0.1), gradcomm.local_sgd("data", every=K)),
+            lambda: optax.sgd(0.1),
+        ),
+        (
+            lambda: optax.chain(
+                gradcomm.gradient_dropping(
+                    "data", drop_ratio=0.5, local="compensated", average_every=K, warmup_steps=0
+                ),
+                optax.sgd(0.1),
+            ),
+            lambda: optax.chain(
+                gradcomm.gradient_dropping(
+                    "data", drop_ratio=0.5, local="compensated", warmup_steps=0
+                ),
+                optax.sgd(0.1),
+            ),
+        ),
+    ],
+    ids=["local_sgd", "dropping-local"],
+)
+def test_train_step_sync_matches_the_averaging_it_replaces(implicit, explicit):
+    expected = train(implicit())[0]
+    got, *_ = train(explicit(), gradcomm.periodic_average("data", every=K))
+    for step, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
+        jax.tree.map(np.testing.assert_array_equal, g, e)
+        rows_equal = all(np.array_equal(x, x[:1].repeat(N, 0)) for x in jax.tree.leaves(g))
+        assert rows_equal == (step % K == 0)  # one value on every device after steps K, 2K
+
+
+def test_hand_written_loop_with_the_one_line():
+    tx, sync = optax.sgd(0.1), gradcomm.periodic_average("data", every=K)
+    mesh = mesh_of(N)
+    params, batch = problem()
+    spec = P("data")
+
+    def run(p, batch):
+        p = jax.tree.map(lambda x: x[0], p)
+        opt_state, sync_state = tx.init(p), sync.init(p)
+        for _ in range(STEPS):
+            grads = jax.grad(loss_fn)(p, batch)
+            updates, opt_state = tx.update(grads, opt_state, p)
+            p = optax.apply_updates(p, updates)
+            p, sync_state = sync.update(p, sync_state)  # the one line
+        return jax.tree.map(lambda x: x[None], p)
+
+    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    placed = jax.device_put(parallel.per_device(params, mesh), NamedSharding(mesh, spec))
+    got = jax.tree.map(np.asarray, fn(placed, parallel.shard_batch(batch, mesh)))
+    expected = train(tx, sync)[0][-1]
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, jnp.bfloat16])
+def test_average_params_is_the_mean_the_same_bits_on_every_device(n, dtype):
+    rng = np.random.default_rng(n)
+    rows = (rng.standard_normal((n, 9)) * 10).astype(dtype)
+    out = jax.vmap(lambda p: gradcomm.average_params(p, "d"), axis_name="d")(rows)
+    out = np.asarray(out).astype(np.float64)
+    assert (out == out[:1]).all()
+    reference = np.asarray(rows).astype(np.float64).mean(0)
+    tol = {np.float32: 1e-6, np.float16: 2e-3}.get(dtype, 1e-2)
+    np.testing.assert_allclose(out[0], reference, rtol=tol, atol=tol)
+
+
+def test_wire_names_the_sync_average():
+    _, step, p, state, batch = train(optax.sgd(0.1), gradcomm.periodic_average("data", every=5))
+    alone = train(optax.sgd(0.1), steps=1)  # what runs between averages: the loss's mean
+    report = wire.measure(step, p, state, batch)
+    steady = wire.measure(alone[1], alone[2], alone[3], alone[4]).total
+    mean_bytes = 2 * (N - 1) / N * 6 * 4  # one all-reduce of the 6 params
+    assert report.steady == steady and report.period == 5
+    assert report.average == pytest.approx(steady + mean_bytes / 5, rel=1e-12)
+
+
+def test_sync_composes_with_multisteps():
+    # gradient_dropping(average_every=...) inside MultiSteps raises; the sync runs outside.
+    tx = optax.MultiSteps(
+        optax.chain(
+            gradcomm.gradient_dropping("data", drop_ratio=0.5, local="compensated", warmup_steps=0),
+            optax.sgd(0.1),
+        ),
+        every_k_schedule=2,
+    )
+    history, *_ = train(tx, gradcomm.periodic_average("data", every=4), steps=4)
+    equal = [
+        all(np.array_equal(x, x[:1].repeat(N, 0)) for x in jax.tree.leaves(p)) for p in history
+    ]
+    # Step 1 accumulates (params unchanged), step 2 applies each device's own step, step 4
+    # applies and averages.
+    assert equal == [True, False, False, True]
+
+
+def test_errors_say_what_to_do():
+    mesh = mesh_of(N)
+    params, batch = problem()
+    sync = gradcomm.periodic_average("data", every=2)
+    with pytest.raises(ValueError, match="params_per_device=True"):
+        parallel.train_step(loss_fn, optax.sgd(0.1), mesh, sync=sync)
+    with pytest.raises(ValueError, match="ParamsSync"):
+        parallel.train_step(loss_fn, optax.sgd(0.1), mesh, params_per_device=True, sync=2)
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        gradcomm.periodic_average("data", every=0)
+    p = parallel.per_device(params, mesh)
+    plain = parallel.init_state(optax.sgd(0.1), p, mesh, params_per_device=True)
+    synced = parallel.init_state(optax.sgd(0.1), p, mesh, params_per_device=True, sync=sync)
+    assert isinstance(synced, parallel.TrainState)
+    with_sync = parallel.train_step(
+        loss_fn, optax.sgd(0.1), mesh, params_per_device=True, sync=sync
+    )
+    without = parallel.train_step(loss_fn, optax.sgd(0.1), mesh, params_per_device=True)
+    with pytest.raises(ValueError, match="TrainState of init_state"):
+        with_sync(p, plain, batch)
+    with pytest.raises(ValueError, match="build the step with the same sync"):
+        without(p, synced, batch)
+    with pytest.raises(ValueError, match="floating"):
+        jax.vmap(functools.partial(gradcomm.average_params, axis_name="d"), axis_name="d")(
+            jnp.ones((2, 3), jnp.int32)
+        )
