@@ -64,6 +64,13 @@ def make_mesh(
 
     Returns:
       A `jax.sharding.Mesh`.
+
+    Example:
+      >>> import jax
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh({"node": 2, "local": 2}, devices=jax.devices()[:4])
+      >>> dict(mesh.shape), parallel.num_shards(mesh), parallel.device_spec(mesh)
+      ({'node': 2, 'local': 2}, 4, P(('node', 'local'),))
     """
     devices = list(jax.devices() if devices is None else devices)
     axes = {"data": len(devices)} if axes is None else dict(axes)
@@ -162,19 +169,71 @@ def _place(tree: Any, sharding: NamedSharding) -> Any:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Places a pytree (params) on every device of the mesh, one identical copy each."""
+    """Places a pytree (params) on every device of the mesh, one identical copy each.
+
+    Args:
+      tree: a pytree of arrays (NumPy or JAX).
+      mesh: the mesh.
+
+    Returns:
+      The pytree as `jax.Array`s replicated over the mesh (`PartitionSpec()`).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> parallel.replicate({"w": np.ones(3)}, mesh)["w"].sharding.spec
+      P()
+    """
     return _place(tree, NamedSharding(mesh, P()))
 
 
 def per_device(tree: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
-    """One copy of each leaf per data-parallel device: a leading device axis, sharded."""
+    """One copy of each leaf per data-parallel device: a leading device axis, sharded.
+
+    Args:
+      tree: a pytree of arrays: one device's values.
+      mesh: the mesh.
+      axes: the data-parallel axes (default: all mesh axes).
+
+    Returns:
+      The pytree with a leading axis of one copy per device, sharded over `axes`: what
+      `train_step(..., params_per_device=True)` takes.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> parallel.per_device({"w": np.ones(3)}, mesh)["w"].shape
+      (2, 3)
+    """
     n = num_shards(mesh, axes)
     stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x)[None], (n, *np.shape(x))), tree)
     return _place(stacked, NamedSharding(mesh, device_spec(mesh, axes)))
 
 
 def shard_batch(batch: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
-    """Splits a global batch's leading axis evenly over the data-parallel devices."""
+    """Splits a global batch's leading axis evenly over the data-parallel devices.
+
+    Args:
+      batch: a pytree of arrays whose leading axes are divisible by the device count.
+      mesh: the mesh.
+      axes: the data-parallel axes (default: all mesh axes).
+
+    Returns:
+      The batch sharded over `axes` along its leading axis.
+
+    Raises:
+      ValueError: for a leaf whose leading axis the devices do not divide.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> x = parallel.shard_batch(np.arange(8.0).reshape(4, 2), mesh)
+      >>> [s.data.shape for s in x.addressable_shards]
+      [(2, 2), (2, 2)]
+    """
     n = num_shards(mesh, axes)
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
         if not np.ndim(x) or np.shape(x)[0] % n:
@@ -186,7 +245,24 @@ def shard_batch(batch: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> A
 
 
 def host_copy(tree: Any, *, per_device: bool = False) -> Any:
-    """This process's first copy of each leaf, as NumPy (device 0's, for per-device trees)."""
+    """This process's first copy of each leaf, as NumPy (device 0's, for per-device trees).
+
+    Args:
+      tree: a pytree of `jax.Array`s, replicated or (with `per_device`) per device.
+      per_device: whether the leaves carry a leading device axis, which is dropped.
+
+    Returns:
+      The pytree as NumPy arrays: one copy, which works in every process of a multi-host
+      run (it reads only this process's devices).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> copies = parallel.per_device({"w": np.arange(3.0)}, mesh)
+      >>> parallel.host_copy(copies, per_device=True)["w"]
+      array([0., 1., 2.], dtype=float32)
+    """
 
     def fetch(x: jax.Array) -> np.ndarray:
         local = np.asarray(x.addressable_data(0))
@@ -682,6 +758,19 @@ def train_step(
     Returns:
       A `TrainStep`: `step(params, state, batch)` returns the new params, the new state and
       a dict of metrics (`"loss"` and any auxiliary ones).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, gradcomm
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> tx = optax.chain(gradcomm.allreduce(), optax.sgd(0.1))
+      >>> params = parallel.replicate({"w": np.zeros(2, np.float32)}, mesh)
+      >>> state = parallel.init_state(tx, params, mesh)
+      >>> loss_fn = lambda p, batch: jnp.mean((batch @ p["w"] - 1.0) ** 2)
+      >>> step = parallel.train_step(loss_fn, tx, mesh)
+      >>> params, state, metrics = step(params, state, np.ones((4, 2), np.float32))
+      >>> parallel.host_copy(params)["w"], float(metrics["loss"])
+      (array([0.2, 0.2], dtype=float32), 1.0)
     """
     names = _axes(mesh, axes)
     return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync)

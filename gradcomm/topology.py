@@ -153,7 +153,20 @@ def exponential(n: int, *, peers: int = 1, both_directions: bool = False) -> Top
 
 
 def ring(n: int, *, both_directions: bool = False) -> Topology:
-    """The ring: i -> i + 1 (and i -> i - 1 with `both_directions`), every step."""
+    """The ring: i -> i + 1 (and i -> i - 1 with `both_directions`), every step.
+
+    Args:
+      n: the number of devices.
+      both_directions: also send to i - 1 (the symmetric ring of D-PSGD).
+
+    Returns:
+      A one-phase `Topology`; each move maps device i to its destination.
+
+    Example:
+      >>> from gradcomm import topology
+      >>> topology.ring(4).phases
+      (((1, 2, 3, 0),),)
+    """
     _check_n(n)
     shifts = [1, -1] if both_directions else [1]
     kind = ", both directions" if both_directions else ""
@@ -161,13 +174,40 @@ def ring(n: int, *, both_directions: bool = False) -> Topology:
 
 
 def complete(n: int) -> Topology:
-    """Every device sends to every other, every step: exact averaging (all-reduce)."""
+    """Every device sends to every other, every step: exact averaging (all-reduce).
+
+    Args:
+      n: the number of devices.
+
+    Returns:
+      A one-phase `Topology` with the n - 1 shifts as its moves.
+
+    Example:
+      >>> from gradcomm import topology
+      >>> topology.complete(3).phases
+      (((1, 2, 0), (2, 0, 1)),)
+    """
     _check_n(n)
     return _from_shifts(f"complete({n})", n, [list(range(1, n))])
 
 
 def hypercube(n: int) -> Topology:
-    """Pairwise exchange i <-> i XOR 2^(k mod log2 n): symmetric, one peer; n a power of two."""
+    """Pairwise exchange i <-> i XOR 2^(k mod log2 n): symmetric, one peer; n a power of two.
+
+    Args:
+      n: the number of devices, a power of two.
+
+    Returns:
+      A `Topology` of log2 n phases, each one swap.
+
+    Raises:
+      ValueError: where n is not a power of two.
+
+    Example:
+      >>> from gradcomm import topology
+      >>> topology.hypercube(4).labels
+      ('i <-> i xor 1', 'i <-> i xor 2')
+    """
     _check_n(n)
     if n & (n - 1):
         raise ValueError(f"hypercube needs a power-of-two number of devices, got {n}")
@@ -199,7 +239,23 @@ TOPOLOGIES: dict[Name, Callable[[int], Topology]] = {
 
 
 def resolve(topology: Name | Topology | Callable[[int], Topology], n: int) -> Topology:
-    """The topology for n devices, from a name in `TOPOLOGIES`, a factory or a `Topology`."""
+    """The topology for n devices, from a name in `TOPOLOGIES`, a factory or a `Topology`.
+
+    Args:
+      topology: a name (`Name`), a factory `n -> Topology`, or a `Topology`.
+      n: the number of devices.
+
+    Returns:
+      The `Topology`, checked to be for n devices.
+
+    Raises:
+      ValueError: for an unknown name, or a topology for another number of devices.
+
+    Example:
+      >>> from gradcomm import topology
+      >>> topology.resolve("ring", 3).name
+      'ring(3)'
+    """
     if isinstance(topology, Topology):
         built = topology
     elif isinstance(topology, str):
