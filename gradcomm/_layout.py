@@ -1,0 +1,309 @@
+"""Per-device state layout: which state leaves differ across devices, and `init_state`.
+
+A leaf that the transformation makes differ between devices is stored with a leading
+device axis sharded over the data axes; the rest is replicated. `layout` finds which by
+tracing one update (see `gradcomm.parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradcomm import _base
+from gradcomm._placement import check_copies, data_axes, device_spec, host_copy, num_shards, place
+from gradcomm.sync import ParamsSync
+
+
+def per_device_leaves(state: Any, spec: P) -> list[bool]:
+    """Which leaves of a placed state carry a leading device axis (sharded as `spec`)."""
+    flags = []
+    for x in jax.tree.leaves(state):
+        sharding = getattr(x, "sharding", None)
+        leading = (
+            sharding.spec[0] if isinstance(sharding, NamedSharding) and sharding.spec else None
+        )
+        flags.append(leading is not None and leading == spec[0])
+    return flags
+
+
+RELAY_HINT = (
+    "per-device state (residuals, keys, push-sum weights, each device's optimizer "
+    "moments) belongs to the devices that made it and cannot be re-laid onto another "
+    "number of devices. Restore it onto a mesh with as many data-parallel devices as it "
+    "was saved from, or start this state afresh on this mesh with "
+    "`parallel.init_state(tx, params, mesh)` (replicated leaves, such as step counts and "
+    "the moments of an optimizer after an all-reduce, restore onto any mesh)"
+)
+
+
+def check_state_layout(
+    state: Any, flags: Sequence[bool], local: Any, n: int, names: tuple[str, ...]
+) -> None:
+    """Raises for state leaves whose device axis does not fit the mesh (see `TrainStep`).
+
+    `local` holds one device's state shapes (`tx.init`'s): a per-device leaf must have
+    shape `(n, *local)`, a replicated one `local`.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    local_leaves = jax.tree.leaves(local)
+    if len(local_leaves) != len(leaves):
+        return  # not this transformation's state: its update reports the mismatch
+    for (path, x), want, per_device in zip(leaves, local_leaves, flags, strict=True):
+        shape, name = tuple(np.shape(x)), jax.tree_util.keystr(path) or "<root>"
+        if shape == tuple(want.shape) or shape[1:] != tuple(want.shape):
+            continue  # replicated as expected, or a mismatch the update reports
+        if per_device and shape[0] != n:
+            raise ValueError(
+                f"state leaf {name} holds {shape[0]} per-device copies (shape {shape}), "
+                f"but this mesh has {n} data-parallel devices; {RELAY_HINT}"
+            )
+        if not per_device:
+            raise ValueError(
+                f"state leaf {name} has a leading device axis of {shape[0]} copies (shape "
+                f"{shape}) but is not sharded over the data axes {names}; "
+                f"pass the state as `parallel.init_state` placed it: restore a checkpoint "
+                f"with the shardings of `init_state`'s state (for example "
+                f"`jax.tree.map(orbax.checkpoint.utils.to_shape_dtype_struct, state)` as "
+                f"the restore target)"
+            )
+
+
+def state_specs(state: Any, flags: Sequence[bool], spec: P) -> Any:
+    _leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, [spec if f else P() for f in flags])
+
+
+def unstack(tree: Any, flags: Sequence[bool]) -> Any:
+    """Inside the map: drops the (size 1) device axis of the flagged leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [x[0] if f else x for x, f in zip(leaves, flags, strict=True)]
+    )
+
+
+def stack(tree: Any, flags: Sequence[bool]) -> Any:
+    """Inside the map: adds the device axis back to the flagged leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [x[None] if f else x for x, f in zip(leaves, flags, strict=True)]
+    )
+
+
+def local_params(params: Any, params_per_device: bool) -> Any:
+    """Inside the map: this device's params (per-device ones carry a size-1 device axis)."""
+    return jax.tree.map(lambda x: x[0], params) if params_per_device else params
+
+
+def local_shapes(params: Any, params_per_device: bool) -> Any:
+    """One device's view of the params' shapes."""
+    cut = 1 if params_per_device else 0
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[cut:], x.dtype), params)
+
+
+_NO_OPERAND = object()
+
+
+def _select(index: Any, outs: Sequence[Any]) -> Any:
+    """The branch outputs joined by `index`: each leaf typed as varying where any branch's is."""
+    index = jnp.asarray(index).astype(jnp.int32)
+
+    def pick(*xs: jax.Array) -> jax.Array:
+        out = xs[0]
+        for i, x in enumerate(xs[1:], 1):
+            out = jnp.where(index == i, x, out)
+        return out.astype(xs[0].dtype)
+
+    return jax.tree.map(pick, *outs)
+
+
+def _joined_cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any,
+                 operand: Any = _NO_OPERAND) -> Any:  # fmt: skip
+    return _joined_switch(pred, [false_fun, true_fun], *operands, operand=operand)
+
+
+def _joined_switch(index: Any, branches: Sequence[Callable], *operands: Any,
+                   operand: Any = _NO_OPERAND) -> Any:  # fmt: skip
+    operands = operands if operand is _NO_OPERAND else (operand,)
+    return _select(index, [branch(*operands) for branch in branches])
+
+
+@contextlib.contextmanager
+def _joined_branches() -> Any:
+    """While the layout is probed, `lax.cond` and `lax.switch` run every branch and select.
+
+    A real `cond` needs its branches to agree on which values vary over the data axes.
+    Wrappers such as `optax.MultiSteps` return a state leaf unchanged in one branch and
+    recomputed from this device's gradients in the other, so until the leaf is known to
+    be per device, tracing fails and the fixed point cannot find it. Selected, each output
+    is typed as varying wherever any branch makes it vary: the layout the real `cond`
+    needs. The probe only reads types, so running every branch costs nothing. (It swaps
+    the `jax.lax` module's functions for the length of one `eval_shape`: another thread
+    tracing at that moment would see them too.)
+    """
+    saved = lax.cond, lax.switch
+    lax.cond, lax.switch = _joined_cond, _joined_switch
+    try:
+        yield
+    finally:
+        lax.cond, lax.switch = saved
+
+
+def _check_decisions(shapes: Any, flags: Sequence[bool]) -> None:
+    """Raises where an optax wrapper's skip decision would differ between devices."""
+    guards = (optax.ApplyIfFiniteState, optax.MultiStepsState)
+    flag_tree = jax.tree.unflatten(jax.tree.structure(shapes), flags)
+
+    def is_guard(x: Any) -> bool:
+        return isinstance(x, guards)
+
+    for node in jax.tree.leaves(flag_tree, is_leaf=is_guard):
+        if isinstance(node, optax.ApplyIfFiniteState) and node.last_finite:
+            raise ValueError(
+                "optax.apply_if_finite here tests this device's own updates, so one device "
+                "could skip a step, and the collectives in it, that the others take. Use "
+                "gradcomm.apply_if_finite(inner, max_consecutive_errors, axis_name), whose "
+                "decision every device shares, or place optax.apply_if_finite after the "
+                "method has reduced the updates."
+            )
+        if isinstance(node, optax.MultiStepsState) and node.mini_step:
+            raise ValueError(
+                "optax.MultiSteps here decides per device whether to skip (its "
+                "should_skip_update_fn reads this device's own updates), so devices could "
+                "disagree about the step. Give it a skip function whose answer every device "
+                "shares, or guard the inner transformation with gradcomm.apply_if_finite."
+            )
+
+
+def layout(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: Mesh,
+    names: tuple[str, ...],
+    params_per_device: bool,
+) -> list[bool]:
+    """Which state leaves must live per device: the fixed point of tracing one update.
+
+    Start with every leaf replicated; trace `tx.update` on per-device gradients; every state
+    leaf that comes out varying over the data axes must be per device. Repeat until no
+    leaf changes (leaves only ever move to per device, so this ends). The tracing joins
+    conditional branches (`_joined_branches`), and the result is checked for optax
+    wrappers that would decide per device (`_check_decisions`).
+    """
+    param_spec = device_spec(mesh, names) if params_per_device else P()
+    tx = optax.with_extra_args_support(tx)
+    shapes = jax.eval_shape(tx.init, local_shapes(params, params_per_device))
+    flags = [False] * len(jax.tree.leaves(shapes))
+    while True:
+        found: list[bool] = []
+
+        def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
+            params = local_params(params, params_per_device)
+            leaves, treedef = jax.tree.flatten(tx.init(params))
+            leaves = [_base.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+            grads = jax.tree.map(lambda x: _base.vary(jnp.zeros_like(x), names), params)
+            _, new_state = tx.update(
+                grads, jax.tree.unflatten(treedef, leaves), params, **{_base.DEFER_AVERAGING: True}
+            )
+            found.extend(
+                bool(_base.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
+            )
+            return jnp.zeros(())
+
+        probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
+        with _base.shapes_only(), _joined_branches():
+            jax.eval_shape(probe_map, params)
+        new = [f or g for f, g in zip(flags, found, strict=True)]
+        if new == flags:
+            _check_decisions(shapes, flags)
+            return flags
+        flags = new
+
+
+class TrainState(NamedTuple):
+    """What `init_state` returns with a `sync`: the transformation's state and the sync's.
+
+    The sync's state is replicated (the same on every device, by `ParamsSync`'s contract).
+    """
+
+    tx: Any
+    sync: Any
+
+
+def check_sync(sync: ParamsSync | None, params_per_device: bool) -> None:
+    if sync is None:
+        return
+    if not isinstance(sync, ParamsSync):
+        raise ValueError(
+            f"sync must be a gradcomm.ParamsSync (gradcomm.periodic_average(...)), got {sync!r}"
+        )
+    if not params_per_device:
+        raise ValueError(
+            "sync sets per-device params to one value; replicated params are one value "
+            "already: pass params_per_device=True (with per-device params), or drop sync"
+        )
+
+
+def sync_state_of(sync: ParamsSync, params: Any, mesh: Mesh, params_per_device: bool) -> Any:
+    """The sync's state from one device's params, replicated on the mesh."""
+    local = host_copy(params, per_device=params_per_device)
+    return place(jax.jit(sync.init)(local), NamedSharding(mesh, P()))
+
+
+def init_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: Mesh,
+    *,
+    axes: _base.AxisName | None = None,
+    params_per_device: bool = False,
+    sync: ParamsSync | None = None,
+) -> Any:
+    """Initialises `tx`'s state on every device, per device only where it must be.
+
+    `tx.init` runs inside `shard_map`, once per device. A state leaf that the
+    transformation makes differ between devices (see the module docstring) gets a leading
+    device axis; the others are replicated.
+
+    Args:
+      tx: the transformation.
+      params: replicated params (or per-device ones with `params_per_device=True`).
+      mesh: the mesh.
+      axes: the data-parallel axes (default: all mesh axes).
+      params_per_device: whether `params` carry a leading device axis.
+      sync: the `ParamsSync` that `train_step` will run (needs `params_per_device`).
+
+    Returns:
+      The state: per-device leaves of shape `(num_shards, *leaf_shape)` sharded over
+      `axes`, the others replicated. With `sync`, a `TrainState` of that state and the
+      sync's (replicated).
+    """
+    check_sync(sync, params_per_device)
+    names = data_axes(mesh, axes)
+    spec = device_spec(mesh, names)
+    param_spec = spec if params_per_device else P()
+    if params_per_device:
+        hint = "place one copy per device with `parallel.per_device(params, mesh)`"
+        check_copies(params, num_shards(mesh, names), "param", hint)
+    params = place(params, NamedSharding(mesh, param_spec))
+    flags = layout(tx, params, mesh, names, params_per_device)
+
+    def body(params: Any) -> Any:
+        return stack(tx.init(local_params(params, params_per_device)), flags)
+
+    shapes = jax.eval_shape(tx.init, local_shapes(params, params_per_device))
+    out_specs = state_specs(shapes, flags, spec)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=param_spec, out_specs=out_specs)
+    state = jax.jit(mapped)(params)
+    if sync is None:
+        return state
+    return TrainState(state, sync_state_of(sync, params, mesh, params_per_device))

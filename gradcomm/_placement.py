@@ -1,0 +1,255 @@
+"""Meshes and placement: data-parallel axes, replicated and per-device trees, batches.
+
+Re-exported by `gradcomm.parallel`, whose docstring has the whole picture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradcomm import _base
+
+
+def make_mesh(
+    axes: Mapping[str, int] | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisType = AxisType.Explicit,
+) -> Mesh:
+    """A mesh over `devices` (default: all devices) with named data-parallel axes.
+
+    Args:
+      axes: axis name to size, in mesh order; default `{"data": len(devices)}`. A 2-D
+        mesh for hierarchical methods is `{"node": 4, "local": 2}`; a data axis factored
+        into size-2 axes for pairwise exchanges is `pairwise_axes("data", 8)`, or
+        `{**pairwise_axes("node", 4), "local": 2}` beside a local axis. On CPU and GPU
+        the devices' row-major order does not depend on how the axes are factored.
+      devices: the devices, in order; default `jax.devices()` (all processes).
+      axis_types: the JAX axis type for every axis.
+
+    Returns:
+      A `jax.sharding.Mesh`.
+
+    Example:
+      >>> import jax
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh({"node": 2, "local": 2}, devices=jax.devices()[:4])
+      >>> dict(mesh.shape), parallel.num_shards(mesh), parallel.device_spec(mesh)
+      ({'node': 2, 'local': 2}, 4, P(('node', 'local'),))
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    axes = {"data": len(devices)} if axes is None else dict(axes)
+    for name, size in axes.items():
+        _base.check_axis_name(name, "axes")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"axis {name!r} needs a positive integer size, got {size!r}")
+    if math.prod(axes.values()) != len(devices):
+        raise ValueError(
+            f"mesh axes {axes} hold {math.prod(axes.values())} devices, "
+            f"but {len(devices)} were given"
+        )
+    return jax.make_mesh(
+        tuple(axes.values()),
+        tuple(axes),
+        axis_types=(axis_types,) * len(axes),
+        devices=devices,
+    )
+
+
+def pairwise_axes(name: str = "data", n: int | None = None) -> dict[str, int]:
+    """Mesh axes of size 2 that together hold `n` data-parallel devices: `name0`, `name1`, ...
+
+    Methods whose exchanges are pairwise swaps (Adasum's halving and gathering, SGP's and
+    D-PSGD's i <-> i ^ 2^r moves) run each swap as a two-member collective over one of
+    these axes when given all of them as `axis_name` (`exchange="auto"` does so on CPU
+    across processes, where gloo runs a swapping `ppermute` at half speed). The device
+    index over the tuple is row-major, `name0` the most significant bit, so device i
+    holds the same place as on the one-axis mesh `{name: n}`: the same batch shard, the
+    same bits.
+
+    Args:
+      name: the prefix of the axis names.
+      n: the number of devices, a power of two; default `jax.device_count()`.
+
+    Returns:
+      `{f"{name}0": 2, f"{name}1": 2, ...}` with log2(n) entries (`{f"{name}0": 1}` for
+      n = 1), to pass to `make_mesh`, alone or beside other axes.
+
+    Example:
+      >>> import jax, gradcomm
+      >>> from gradcomm import parallel
+      >>> axes = parallel.pairwise_axes("data", 4)
+      >>> axes
+      {'data0': 2, 'data1': 2}
+      >>> mesh = parallel.make_mesh(axes, devices=jax.devices()[:4])
+      >>> tx = gradcomm.adasum(tuple(axes))  # swaps over data1, then data0
+      >>> step = parallel.train_step(lambda p, b: (p * b).sum(), tx, mesh)  # all axes
+    """
+    _base.check_axis_name(name, "name")
+    n = jax.device_count() if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"pairwise_axes needs a power-of-two number of devices, got {n!r}")
+    if n == 1:
+        return {f"{name}0": 1}
+    return {f"{name}{j}": 2 for j in range(n.bit_length() - 1)}
+
+
+def data_axes(mesh: Mesh, axes: _base.AxisName | None) -> tuple[str, ...]:
+    names = mesh.axis_names if axes is None else _base.axis_names(axes)
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if unknown:
+        raise ValueError(f"axes {unknown} are not in the mesh, whose axes are {mesh.axis_names}")
+    return tuple(names)
+
+
+def device_spec(mesh: Mesh, axes: _base.AxisName | None = None) -> P:
+    """The spec of a leading axis split over the data axes (all mesh axes by default)."""
+    names = data_axes(mesh, axes)
+    return P(names if len(names) > 1 else names[0])
+
+
+def num_shards(mesh: Mesh, axes: _base.AxisName | None = None) -> int:
+    """The number of data-parallel devices: the product of the data axes' sizes."""
+    return math.prod(mesh.shape[a] for a in data_axes(mesh, axes))
+
+
+def place(tree: Any, sharding: NamedSharding) -> Any:
+    """Puts every leaf on `sharding`, from host or device data, in one or many processes.
+
+    A `jax.ShapeDtypeStruct` leaf stays one, with `sharding`: what lowering needs.
+    """
+
+    def place(x: Any) -> jax.Array:
+        if isinstance(x, jax.ShapeDtypeStruct):  # for lowering (`wire.measure`): no data
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if isinstance(x, jax.Array):
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            if x.is_fully_addressable:
+                return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Places a pytree (params) on every device of the mesh, one identical copy each.
+
+    Args:
+      tree: a pytree of arrays (NumPy or JAX).
+      mesh: the mesh.
+
+    Returns:
+      The pytree as `jax.Array`s replicated over the mesh (`PartitionSpec()`).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> parallel.replicate({"w": np.ones(3)}, mesh)["w"].sharding.spec
+      P()
+    """
+    return place(tree, NamedSharding(mesh, P()))
+
+
+def per_device(tree: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
+    """One copy of each leaf per data-parallel device: a leading device axis, sharded.
+
+    Args:
+      tree: a pytree of arrays: one device's values.
+      mesh: the mesh.
+      axes: the data-parallel axes (default: all mesh axes).
+
+    Returns:
+      The pytree with a leading axis of one copy per device, sharded over `axes`: what
+      `train_step(..., params_per_device=True)` takes.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> parallel.per_device({"w": np.ones(3)}, mesh)["w"].shape
+      (2, 3)
+    """
+    n = num_shards(mesh, axes)
+    stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x)[None], (n, *np.shape(x))), tree)
+    return place(stacked, NamedSharding(mesh, device_spec(mesh, axes)))
+
+
+def shard_batch(batch: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
+    """Splits a global batch's leading axis evenly over the data-parallel devices.
+
+    Args:
+      batch: a pytree of arrays whose leading axes are divisible by the device count.
+      mesh: the mesh.
+      axes: the data-parallel axes (default: all mesh axes).
+
+    Returns:
+      The batch sharded over `axes` along its leading axis.
+
+    Raises:
+      ValueError: for a leaf whose leading axis the devices do not divide.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> x = parallel.shard_batch(np.arange(8.0).reshape(4, 2), mesh)
+      >>> [s.data.shape for s in x.addressable_shards]
+      [(2, 2), (2, 2)]
+    """
+    n = num_shards(mesh, axes)
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        if not np.ndim(x) or np.shape(x)[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{np.shape(x)}: its leading axis must be divisible by the {n} devices"
+            )
+    return place(batch, NamedSharding(mesh, device_spec(mesh, axes)))
+
+
+def host_copy(tree: Any, *, per_device: bool = False) -> Any:
+    """This process's first copy of each leaf, as NumPy (device 0's, for per-device trees).
+
+    Args:
+      tree: a pytree of `jax.Array`s, replicated or (with `per_device`) per device.
+      per_device: whether the leaves carry a leading device axis, which is dropped.
+
+    Returns:
+      The pytree as NumPy arrays: one copy, which works in every process of a multi-host
+      run (it reads only this process's devices).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh(devices=jax.devices()[:2])
+      >>> copies = parallel.per_device({"w": np.arange(3.0)}, mesh)
+      >>> parallel.host_copy(copies, per_device=True)["w"]
+      array([0., 1., 2.], dtype=float32)
+    """
+
+    def fetch(x: jax.Array) -> np.ndarray:
+        local = np.asarray(x.addressable_data(0))
+        return local[0] if per_device else local
+
+    return jax.tree.map(fetch, tree)
+
+
+def check_copies(tree: Any, n: int, what: str, hint: str) -> None:
+    """Raises unless every leaf of a per-device tree holds exactly `n` copies."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        shape = np.shape(x)
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"{what} {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, but "
+                f"per-device values need a leading axis of one copy per data-parallel "
+                f"device, {n} on this mesh; {hint}"
+            )
