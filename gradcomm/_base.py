@@ -306,9 +306,8 @@ def check_int(value: Any, arg: str, *, minimum: int | None = None, optional: boo
         return
     low = minimum is not None and isinstance(value, int | np.integer) and value < minimum
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or low:
-        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, "an int")
-        if minimum not in (None, 0, 1):
-            kind = f"an int >= {minimum}"
+        kinds = {None: "an int", 0: "a non-negative int", 1: "a positive int"}
+        kind = kinds.get(minimum, f"an int >= {minimum}")
         raise ValueError(
             f"{arg} must be {kind}{' or None' if optional else ''}, got {value!r}"
             + static_hint(value, arg)

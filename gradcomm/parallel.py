@@ -66,7 +66,7 @@ from gradcomm._placement import (
     replicate,
     shard_batch,
 )
-from gradcomm.sync import ParamsSync
+from gradcomm.sync import ParamsSync, average_params
 
 __all__ = [
     "TrainState",
@@ -89,11 +89,6 @@ def _averaging_due(state: Any) -> jax.Array | None:
     markers = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _base.ParamsAveraging))
     flags = [m.due for m in markers if isinstance(m, _base.ParamsAveraging)]
     return jnp.any(jnp.stack(flags)) if flags else None
-
-
-def _mean(params: Any, names: tuple[str, ...]) -> Any:
-    """The mean of per-device params, typed as per-device again (for `lax.cond`)."""
-    return jax.tree.map(lambda x: _base.vary(x, names), lax.pmean(params, names))
 
 
 class TrainStep:
@@ -148,7 +143,7 @@ class TrainStep:
             if self._params_per_device:
                 due = _averaging_due(tx_state)
                 if due is not None:  # the exact mean, the same bits on every device
-                    average = functools.partial(_mean, names=names)
+                    average = functools.partial(average_params, axis_name=names)
                     if len(set(periods)) == 1:  # a known schedule: named for gradcomm.wire
                         average = wire.branch("average params", every=periods[0])(average)
                     params = lax.cond(due, average, lambda p: p, params)

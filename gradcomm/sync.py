@@ -111,7 +111,7 @@ def periodic_average(axis_name: _base.AxisName = "data", *, every: int = 20) -> 
 
     @jax.named_scope("gradcomm.periodic_average")
     def update(params: Any, state: PeriodicAverageState) -> tuple[Any, PeriodicAverageState]:
-        due = (state.count + 1) % every == 0
+        due = _base.averaging_due(state.count, every)
         average = wire.branch("average params", every=every)(lambda p: average_params(p, axis_name))
         params = lax.cond(due, average, lambda p: p, params)
         return params, PeriodicAverageState(count=optax.safe_increment(state.count))

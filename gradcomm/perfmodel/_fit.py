@@ -212,11 +212,10 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
                 f = backend.factor("allreduce", g[0] * g[1])
                 base[g] = max(statistics.median(t - f * c for t, c, _ in obs), 0.0)
         factors = dict(backend.factors)
-        by_rate: dict[tuple[int, float], list[float]] = {}
-        for g, obs in shaped.items():  # per ring size, and per ring size and rate
-            by_rate.update({(g[0] * g[1], rate): [] for _, _, rate in obs})
+        by_rate: dict[tuple[int, float], list[float]] = {}  # per ring size and rate
+        for g, obs in shaped.items():
             for t, c, rate in obs:
-                by_rate[g[0] * g[1], rate].append((t - base[g]) / c)
+                by_rate.setdefault((g[0] * g[1], rate), []).append((t - base[g]) / c)
         for n in sorted({n for n, _ in by_rate}):
             ratios = [x for (m, _), xs in by_rate.items() if m == n for x in xs if x]
             factors[("allreduce", n)] = statistics.median(ratios)
