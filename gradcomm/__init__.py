@@ -15,12 +15,7 @@ from gradcomm.adasum import (
     orthogonality,
 )
 from gradcomm.dense import AllReduceState, allreduce
-from gradcomm.dropping import (
-    GradientDroppingState,
-    LocalSgdState,
-    gradient_dropping,
-    local_sgd,
-)
+from gradcomm.dropping import GradientDroppingState, gradient_dropping
 from gradcomm.finite import apply_if_finite
 from gradcomm.gossip import DpsgdState, SgpState, consensus_distance, dpsgd, sgp
 from gradcomm.lags import (
@@ -34,7 +29,13 @@ from gradcomm.lags import (
     lags_speedup_bound,
     slgs,
 )
-from gradcomm.sync import ParamsSync, PeriodicAverageState, average_params, periodic_average
+from gradcomm.sync import (
+    ParamsSync,
+    PeriodicAverageState,
+    average_params,
+    local_sgd,
+    periodic_average,
+)
 from gradcomm.terngrad import TernGradState, ternarize, terngrad
 
 __version__ = "0.1.0"
@@ -46,7 +47,6 @@ __all__ = [
     "GradientDroppingState",
     "LagsPlan",
     "LagsState",
-    "LocalSgdState",
     "ParamsSync",
     "PeriodicAverageState",
     "SgpState",

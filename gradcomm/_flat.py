@@ -129,3 +129,20 @@ class FlatLayout:
     def per_block(self, v: jax.Array) -> jax.Array:
         """Per-leaf values `(leaves,)` broadcast to a `(1, num_blocks, 1)` array."""
         return v[self.segments][None, :, None]
+
+
+def dtype_groups(leaves: Sequence[jax.Array]) -> list[list[int]]:
+    """Indices of the non-empty leaves, grouped by dtype in first-seen order."""
+    groups: dict[np.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.size:
+            groups.setdefault(np.dtype(leaf.dtype), []).append(i)
+    return list(groups.values())
+
+
+def offsets(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Where each of consecutive parts of the given sizes starts, then the total.
+
+    `itertools.pairwise(offsets(sizes))` gives each part's `(start, end)`.
+    """
+    return tuple(int(o) for o in np.cumsum((0, *sizes)))

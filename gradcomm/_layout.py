@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _base
+from gradcomm import _axes, _checks
 from gradcomm._placement import check_copies, data_axes, device_spec, host_copy, num_shards, place
 from gradcomm.sync import ParamsSync
 
@@ -209,18 +209,16 @@ def layout(
         def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
             params = local_params(params, params_per_device)
             leaves, treedef = jax.tree.flatten(tx.init(params))
-            leaves = [_base.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
-            grads = jax.tree.map(lambda x: _base.vary(jnp.zeros_like(x), names), params)
-            _, new_state = tx.update(
-                grads, jax.tree.unflatten(treedef, leaves), params, **{_base.DEFER_AVERAGING: True}
-            )
+            leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+            grads = jax.tree.map(lambda x: _axes.vary(jnp.zeros_like(x), names), params)
+            _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
             found.extend(
-                bool(_base.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
+                bool(_axes.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
             )
             return jnp.zeros(())
 
         probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
-        with _base.shapes_only(), _joined_branches():
+        with _checks.shapes_only(), _joined_branches():
             jax.eval_shape(probe_map, params)
         new = [f or g for f, g in zip(flags, found, strict=True)]
         if new == flags:
@@ -264,7 +262,7 @@ def init_state(
     params: Any,
     mesh: Mesh,
     *,
-    axes: _base.AxisName | None = None,
+    axes: _axes.AxisName | None = None,
     params_per_device: bool = False,
     sync: ParamsSync | None = None,
 ) -> Any:

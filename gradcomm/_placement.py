@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _base
+from gradcomm import _axes
 
 
 def make_mesh(
@@ -47,7 +47,7 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     axes = {"data": len(devices)} if axes is None else dict(axes)
     for name, size in axes.items():
-        _base.check_axis_name(name, "axes")
+        _axes.check_axis_name(name, "axes")
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"axis {name!r} needs a positive integer size, got {size!r}")
     if math.prod(axes.values()) != len(devices):
@@ -92,7 +92,7 @@ def pairwise_axes(name: str = "data", n: int | None = None) -> dict[str, int]:
       >>> tx = gradcomm.adasum(tuple(axes))  # swaps over data1, then data0
       >>> step = parallel.train_step(lambda p, b: (p * b).sum(), tx, mesh)  # all axes
     """
-    _base.check_axis_name(name, "name")
+    _axes.check_axis_name(name, "name")
     n = jax.device_count() if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
         raise ValueError(f"pairwise_axes needs a power-of-two number of devices, got {n!r}")
@@ -101,21 +101,21 @@ def pairwise_axes(name: str = "data", n: int | None = None) -> dict[str, int]:
     return {f"{name}{j}": 2 for j in range(n.bit_length() - 1)}
 
 
-def data_axes(mesh: Mesh, axes: _base.AxisName | None) -> tuple[str, ...]:
-    names = mesh.axis_names if axes is None else _base.axis_names(axes)
+def data_axes(mesh: Mesh, axes: _axes.AxisName | None) -> tuple[str, ...]:
+    names = mesh.axis_names if axes is None else _axes.axis_names(axes)
     unknown = [a for a in names if a not in mesh.axis_names]
     if unknown:
         raise ValueError(f"axes {unknown} are not in the mesh, whose axes are {mesh.axis_names}")
     return tuple(names)
 
 
-def device_spec(mesh: Mesh, axes: _base.AxisName | None = None) -> P:
+def device_spec(mesh: Mesh, axes: _axes.AxisName | None = None) -> P:
     """The spec of a leading axis split over the data axes (all mesh axes by default)."""
     names = data_axes(mesh, axes)
     return P(names if len(names) > 1 else names[0])
 
 
-def num_shards(mesh: Mesh, axes: _base.AxisName | None = None) -> int:
+def num_shards(mesh: Mesh, axes: _axes.AxisName | None = None) -> int:
     """The number of data-parallel devices: the product of the data axes' sizes."""
     return math.prod(mesh.shape[a] for a in data_axes(mesh, axes))
 
@@ -160,7 +160,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return place(tree, NamedSharding(mesh, P()))
 
 
-def per_device(tree: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
+def per_device(tree: Any, mesh: Mesh, axes: _axes.AxisName | None = None) -> Any:
     """One copy of each leaf per data-parallel device: a leading device axis, sharded.
 
     Args:
@@ -184,7 +184,7 @@ def per_device(tree: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any
     return place(stacked, NamedSharding(mesh, device_spec(mesh, axes)))
 
 
-def shard_batch(batch: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> Any:
+def shard_batch(batch: Any, mesh: Mesh, axes: _axes.AxisName | None = None) -> Any:
     """Splits a global batch's leading axis evenly over the data-parallel devices.
 
     Args:
@@ -206,14 +206,18 @@ def shard_batch(batch: Any, mesh: Mesh, axes: _base.AxisName | None = None) -> A
       >>> [s.data.shape for s in x.addressable_shards]
       [(2, 2), (2, 2)]
     """
-    n = num_shards(mesh, axes)
+    return place_batch(batch, NamedSharding(mesh, device_spec(mesh, axes)), num_shards(mesh, axes))
+
+
+def place_batch(batch: Any, sharding: NamedSharding, n: int) -> Any:
+    """`shard_batch` with its sharding and device count `n` already known."""
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
         if not np.ndim(x) or np.shape(x)[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
                 f"{np.shape(x)}: its leading axis must be divisible by the {n} devices"
             )
-    return place(batch, NamedSharding(mesh, device_spec(mesh, axes)))
+    return place(batch, sharding)
 
 
 def host_copy(tree: Any, *, per_device: bool = False) -> Any:

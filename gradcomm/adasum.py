@@ -19,7 +19,7 @@ How gradcomm computes it:
   the buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
 * Every swap is between two devices, i and i ^ 2^j. Over a mesh axis factored into size-2
   axes they differ in one axis, and the swap can be a two-member reduce-scatter over it
-  (`exchange="pairwise"`, `_base.exchange`), which gloo runs at full speed both ways; the
+  (`exchange="pairwise"`, `_collectives.exchange`), which gloo runs at full speed both ways; the
   final gather is then reverse doubling, one exchange per axis. Same bits, same bytes.
 * Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
   devices that hold slices of the pair) sums them, and a second pass combines.
@@ -44,7 +44,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _base
+from gradcomm import _axes, _checks, _collectives, _flat, _numeric
 from gradcomm._flat import FlatLayout
 
 _NUM_STATS = 5  # scale_a, scale_b, a.b, a.a, b.b per leaf
@@ -74,7 +74,7 @@ def _local_stats(own: jax.Array, other: jax.Array, layout: FlatLayout, ct: np.dt
         return jnp.concatenate([jnp.where(zero, 0, 1).astype(ct), sums[:3]])
 
     def scaled() -> jax.Array:
-        scale, inverse = _base.pow2_scale(layout.segment_max([jnp.abs(x), jnp.abs(y)]))
+        scale, inverse = _numeric.pow2_scale(layout.segment_max([jnp.abs(x), jnp.abs(y)]))
         xs = x * layout.per_block(inverse[0])
         ys = y * layout.per_block(inverse[1])
         return jnp.concatenate([scale, layout.segment_sum([xs * ys, xs * xs, ys * ys])])
@@ -170,7 +170,7 @@ def _pair(
         device order, `(members, 5, leaves)` (`_group_stats`).
       halves: return the result's first and second halves of rows as two arrays.
     """
-    ct = _base.compute_dtype(own.dtype)
+    ct = _axes.compute_dtype(own.dtype)
     stats = _local_stats(own, other, layout, ct)
     stats = jnp.where(own_is_b, stats[_SWAP_STATS], stats)
     members = stats[None] if group is None else group(stats)
@@ -203,12 +203,12 @@ def _bit_reversed(width: int) -> np.ndarray:
 
 
 def _group_stats(
-    axis_name: _base.AxisName,
+    axis_name: _axes.AxisName,
     size: int,
     in_tree: int,
     index: jax.Array,
     pairwise: bool,
-    local_axis: _base.AxisName | None = None,
+    local_axis: _axes.AxisName | None = None,
 ) -> Callable[[jax.Array], jax.Array]:
     """Stats of the aligned group of `size` devices that holds one pair, in device order.
 
@@ -218,9 +218,11 @@ def _group_stats(
     members are every (local device, group device), local-major, gathered in the same
     all-gather where the axes are size-2 ones.
     """
-    local = () if local_axis is None else _base.axis_names(local_axis)
+    local = () if local_axis is None else _axes.axis_names(local_axis)
     if pairwise:
-        axes = tuple(_base.pair_axis(axis_name, 1 << j) for j in range(size.bit_length() - 1))
+        axes = tuple(
+            _collectives.pair_axis(axis_name, 1 << j) for j in range(size.bit_length() - 1)
+        )
         return lambda stats: lax.all_gather(stats, local + axes[::-1])
 
     def gather(stats: jax.Array) -> jax.Array:
@@ -236,11 +238,11 @@ def _group_stats(
 
 def _adasum_fused(
     leaves: list[jax.Array],
-    axis_name: _base.AxisName,
+    axis_name: _axes.AxisName,
     n: int,
     index: jax.Array,
     pairwise: bool,
-    local_axis: _base.AxisName | None = None,
+    local_axis: _axes.AxisName | None = None,
 ) -> list[jax.Array]:
     """Adasum across the axis of same-dtype leaves, fused into one buffer (Algorithm 1).
 
@@ -248,7 +250,7 @@ def _adasum_fused(
     rows in the order p -> row i ^ bitreverse(p): at every level the rows it keeps are the
     first half of its buffer and the rows it sends the second half, in the order its
     partner keeps them; after the last level it holds row i. With `pairwise`, every swap
-    and the final gather are `_base.exchange`s over the size-2 axes.
+    and the final gather are `_collectives.exchange`s over the size-2 axes.
 
     With `local_axis` (L devices per node), the buffer has L times the rows: a
     reduce-scatter over the node leaves each local device the node's mean of 1/L of
@@ -259,13 +261,13 @@ def _adasum_fused(
     in_tree = 1 << (n.bit_length() - 1)
     levels = in_tree.bit_length() - 1
     folded = n - in_tree
-    per_node = 1 if local_axis is None else _base.axis_size(local_axis)
+    per_node = 1 if local_axis is None else _axes.axis_size(local_axis)
     layout = FlatLayout.of([leaf.shape for leaf in leaves], rows=in_tree * per_node)
     x = layout.pack(leaves, leaves[0].dtype)
     if local_axis is not None:
         x = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True) / per_node
     if folded:
-        partner = _base.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
+        partner = _collectives.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
         whole = None if local_axis is None else lambda stats: lax.all_gather(stats, local_axis)
         x = lax.cond(index < folded, lambda: _pair(x, partner, layout, group=whole), lambda: x)
     if levels:
@@ -276,10 +278,10 @@ def _adasum_fused(
         own_is_b = (index >> level) & 1 == 1
         with jax.named_scope("exchange"):
             if pairwise:
-                received = _base.exchange(send, axis_name, distance)
+                received = _collectives.exchange(send, axis_name, distance)
             else:
                 pairs = [(i, i ^ distance) for i in range(in_tree)]
-                received = _base.ppermute(send, axis_name, pairs)
+                received = _collectives.ppermute(send, axis_name, pairs)
         group = _group_stats(axis_name, 2 * distance, in_tree, index, pairwise, local_axis)
         if level + 1 < levels:
             own, send = _pair(own, received, layout, own_is_b, group, halves=True)
@@ -287,20 +289,20 @@ def _adasum_fused(
             x = _pair(own, received, layout, own_is_b, group)
     with jax.named_scope("gather"):
         if pairwise:
-            rows = _base.all_gather_pairwise(x[0], axis_name)
+            rows = _collectives.all_gather_pairwise(x[0], axis_name)
         else:
-            rows = _base.all_gather_invariant(x[0], axis_name)[:in_tree]
+            rows = _collectives.all_gather_invariant(x[0], axis_name)[:in_tree]
         if local_axis is not None:
-            rows = _base.all_gather_invariant(rows, local_axis, tiled=True)
+            rows = _collectives.all_gather_invariant(rows, local_axis, tiled=True)
     return layout.unpack(rows)
 
 
 def adasum_reduce(
     tree: Any,
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
-    local_axis: _base.AxisName | None = None,
-    exchange: _base.Exchange = "auto",
+    local_axis: _axes.AxisName | None = None,
+    exchange: _axes.Exchange = "auto",
 ) -> Any:
     """Adasum of each leaf of `tree` across a named axis: the collective behind `adasum`.
 
@@ -340,15 +342,15 @@ def adasum_reduce(
       Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021:
       eq. 8 (operator), eq. 9 (recursion), Algorithm 1 (ADASUM_RVHDD), section 3.5.
     """
-    _base.check_exchange(exchange)
-    every_axis = _base.axis_names(axis_name) + _base.axis_names(local_axis or ())
-    _base.check_updates(tree, every_axis, "adasum")
-    n = _base.axis_size(axis_name)
-    index = _base.axis_index(axis_name)
-    pairwise = _base.use_pairwise(axis_name, exchange, "adasum")
+    _axes.check_exchange(exchange)
+    every_axis = _axes.axis_names(axis_name) + _axes.axis_names(local_axis or ())
+    _checks.check_updates(tree, every_axis, "adasum")
+    n = _axes.axis_size(axis_name)
+    index = _axes.axis_index(axis_name)
+    pairwise = _axes.use_pairwise(axis_name, exchange, "adasum")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     out = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves]  # empty leaves stay empty
-    for ids in _base.dtype_groups(leaves):
+    for ids in _flat.dtype_groups(leaves):
         group = [leaves[i] for i in ids]
         results = _adasum_fused(group, axis_name, n, index, pairwise, local_axis)
         for i, result in zip(ids, results, strict=True):
@@ -378,7 +380,7 @@ def adasum_pair(a: Any, b: Any) -> Any:
     References:
       Maleki et al., MLSys 2021, eq. 8 and section 3.5.
     """
-    _base.check_float_leaves((a, b), "adasum_pair")
+    _checks.check_float_leaves((a, b), "adasum_pair")
     a_leaves, treedef = jax.tree_util.tree_flatten(a)
     b_leaves, b_treedef = jax.tree_util.tree_flatten(b)
     if treedef != b_treedef:
@@ -390,7 +392,7 @@ def adasum_pair(a: Any, b: Any) -> Any:
                 f"{x.dtype}{list(x.shape)} and {y.dtype}{list(y.shape)}"
             )
     out = list(a_leaves)
-    for ids in _base.dtype_groups(a_leaves):
+    for ids in _flat.dtype_groups(a_leaves):
         layout = FlatLayout.of([a_leaves[i].shape for i in ids], rows=1)
         dtype = a_leaves[ids[0]].dtype
         x = layout.pack([a_leaves[i] for i in ids], dtype)
@@ -401,7 +403,7 @@ def adasum_pair(a: Any, b: Any) -> Any:
 
 
 def orthogonality(
-    tree: Any, axis_name: _base.AxisName = "data", *, combined: Any | None = None
+    tree: Any, axis_name: _axes.AxisName = "data", *, combined: Any | None = None
 ) -> Any:
     """Per-leaf orthogonality of the devices' values, `|AS(g)|^2 / sum_i |g_i|^2` (5.1.3).
 
@@ -430,10 +432,10 @@ def orthogonality(
         combined = adasum_reduce(tree, axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     sums = jax.tree_util.tree_leaves(combined)
-    wide = [x.astype(_base.compute_dtype(x.dtype)) for x in leaves]
+    wide = [x.astype(_axes.compute_dtype(x.dtype)) for x in leaves]
     ct = jnp.result_type(*wide) if wide else jnp.float32
     maxima = jnp.stack([jnp.max(jnp.abs(x), initial=0).astype(ct) for x in wide])
-    _, inverse = _base.pow2_scale(lax.pmax(maxima, axis_name))
+    _, inverse = _numeric.pow2_scale(lax.pmax(maxima, axis_name))
     squares = [jnp.sum(jnp.square(x * s)) for x, s in zip(wide, inverse.astype(ct), strict=True)]
     total = lax.psum(jnp.stack(squares), axis_name)
     result = [
@@ -444,10 +446,10 @@ def orthogonality(
 
 
 def adasum(
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
-    local_axis: _base.AxisName | None = None,
-    exchange: _base.Exchange = "auto",
+    local_axis: _axes.AxisName | None = None,
+    exchange: _axes.Exchange = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Adasum of the incoming updates across devices, leaf by leaf.
 
@@ -489,11 +491,11 @@ def adasum(
     References:
       Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021.
     """
-    _base.check_axis_name(axis_name)
-    _base.check_exchange(exchange)
+    _axes.check_axis_name(axis_name)
+    _axes.check_exchange(exchange)
     if local_axis is not None:
-        _base.check_axis_name(local_axis, "local_axis")
-        _base.check_disjoint(axis_name, local_axis, "axis_name", "local_axis")
+        _axes.check_axis_name(local_axis, "local_axis")
+        _axes.check_disjoint(axis_name, local_axis, "axis_name", "local_axis")
 
     def init_fn(params: Any) -> AdasumState:
         del params

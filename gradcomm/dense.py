@@ -8,14 +8,14 @@ import jax
 import optax
 from jax import lax
 
-from gradcomm import _base
+from gradcomm import _axes, _checks
 
 
 class AllReduceState(NamedTuple):
     """State of `allreduce`: empty; an all-reduce is stateless."""
 
 
-def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformationExtraArgs:
+def allreduce(axis_name: _axes.AxisName = "data") -> optax.GradientTransformationExtraArgs:
     """Replaces each update by its mean over the devices of `axis_name` (`lax.pmean`).
 
     This is synchronous data-parallel SGD's all-reduce, the baseline every other gradcomm
@@ -39,7 +39,7 @@ def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformatio
       >>> jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(grads)[0]
       Array([2., 4.], dtype=float32)
     """
-    _base.check_axis_name(axis_name)
+    _axes.check_axis_name(axis_name)
 
     def init_fn(params: Any) -> AllReduceState:
         del params
@@ -50,8 +50,8 @@ def allreduce(axis_name: _base.AxisName = "data") -> optax.GradientTransformatio
         updates: Any, state: AllReduceState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AllReduceState]:
         del state, params, extra_args
-        _base.check_updates(updates, axis_name, "allreduce")
-        _base.axis_size(axis_name)
+        _checks.check_updates(updates, axis_name, "allreduce")
+        _axes.axis_size(axis_name)
         return lax.pmean(updates, axis_name), AllReduceState()
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

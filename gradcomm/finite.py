@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _base
+from gradcomm import _axes, _checks
 
 
 def apply_if_finite(
     inner: optax.GradientTransformation,
     max_consecutive_errors: int,
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
 ) -> optax.GradientTransformationExtraArgs:
     """`optax.apply_if_finite` whose decision is the same on every device.
 
@@ -60,8 +60,8 @@ def apply_if_finite(
       optax.apply_if_finite; the shared flag is what PyTorch's sharded gradient scalers do
       with their `found_inf` (an all-reduce across ranks before the step).
     """
-    _base.check_axis_name(axis_name)
-    _base.check_int(max_consecutive_errors, "max_consecutive_errors", minimum=0)
+    _axes.check_axis_name(axis_name)
+    _checks.check_int(max_consecutive_errors, "max_consecutive_errors", minimum=0)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> optax.ApplyIfFiniteState:
@@ -77,7 +77,7 @@ def apply_if_finite(
         updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.ApplyIfFiniteState]:
         here = jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-        everywhere = lax.pmin(_base.vary(here.astype(jnp.int32), axis_name), axis_name)
+        everywhere = lax.pmin(_axes.vary(here.astype(jnp.int32), axis_name), axis_name)
         finite = everywhere == 1
         count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
         accept = finite | (count > max_consecutive_errors)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _base, wire
+from gradcomm import _axes, _checks, _collectives, _flat, _schedule, wire
 from gradcomm import topology as topologies
 from gradcomm._flat import FlatLayout
 
@@ -67,34 +67,34 @@ class DpsgdState(NamedTuple):
 @jax.named_scope("exchange")
 def _mix(
     x: list[jax.Array], w: jax.Array, graph: topologies.Topology, count: jax.Array,
-    axis_name: _base.AxisName, pairwise: bool, summed: bool,
+    axis_name: _axes.AxisName, pairwise: bool, summed: bool,
 ) -> tuple[Any, ...]:  # fmt: skip
     """One PushSum step of the graph's phase for `count`.
 
     Returns the (kept, received) shares of x and w, `(kept, received, kept_w, received_w)`,
     or with `summed` only their sums, `(mixed, mixed_w)`. With `pairwise`, a move that
     swaps every device i with i ^ d goes over the one size-2 axis that pairs them (see
-    `_base.use_pairwise`): a phase that is that one move and whose sum is all that is
+    `_axes.use_pairwise`): a phase that is that one move and whose sum is all that is
     wanted is a two-member `psum`, the pair's sum, the same bits on both devices and on
-    gloo the fastest exchange; any other such move is a two-member `_base.exchange`. The
+    gloo the fastest exchange; any other such move is a two-member `_collectives.exchange`. The
     rest are `ppermute`s.
     """
 
     def send(v: jax.Array, move: topologies.Move) -> jax.Array:
         distance = topologies.swap_distance(move) if pairwise else None
         if distance is not None:
-            return _base.exchange(v, axis_name, distance)
-        return _base.ppermute(v, axis_name, list(enumerate(move)))
+            return _collectives.exchange(v, axis_name, distance)
+        return _collectives.ppermute(v, axis_name, list(enumerate(move)))
 
     def phase(moves: tuple[topologies.Move, ...]) -> tuple[Any, ...]:
         share = 1.0 / (len(moves) + 1)
         kept = [v * share for v in x]
         distance = topologies.swap_distance(moves[0]) if pairwise and len(moves) == 1 else None
         if summed and distance is not None:
-            axis = _base.pair_axis(axis_name, distance)
+            axis = _collectives.pair_axis(axis_name, distance)
 
             def pair_sum(v: jax.Array) -> jax.Array:
-                return _base.vary(lax.psum(_base.vary(v, axis_name), axis), axis_name)
+                return _axes.vary(lax.psum(_axes.vary(v, axis_name), axis), axis_name)
 
             return [pair_sum(v) for v in kept], pair_sum(w * share)
         received = [jnp.zeros_like(v) for v in x]
@@ -120,14 +120,14 @@ def _mix(
 def _weight_dtype(params: Any) -> jax.typing.DTypeLike:
     """The push-sum weight's dtype: the widest accumulation dtype of the params (float64
     params keep a float64 weight; float32, bfloat16 and float16 ones a float32 one)."""
-    dtypes = [_base.compute_dtype(jnp.result_type(p)) for p in jax.tree.leaves(params)]
+    dtypes = [_axes.compute_dtype(jnp.result_type(p)) for p in jax.tree.leaves(params)]
     return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
 def _pack(tree: Any) -> tuple[list[FlatLayout], list[list[int]], list[jax.Array]]:
     """Leaves fused into one flat buffer per dtype, so each move is one collective per dtype."""
     leaves = jax.tree.leaves(tree)
-    groups = _base.dtype_groups(leaves)
+    groups = _flat.dtype_groups(leaves)
     layouts = [FlatLayout.of([leaves[i].shape for i in ids], rows=1) for ids in groups]
     buffers = [
         layout.pack([leaves[i] for i in ids], leaves[ids[0]].dtype)
@@ -148,13 +148,13 @@ def _unpack(
 
 
 def sgp(
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
     topology: TopologySpec = "exponential",
     overlap: int = 0,
     biased: bool = False,
     allreduce_steps: int = 0,
-    exchange: _base.Exchange = "auto",
+    exchange: _axes.Exchange = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic Gradient Push: each device mixes its parameters with a few peers per step.
 
@@ -206,10 +206,10 @@ def sgp(
       Assran et al., "Stochastic Gradient Push for Distributed Deep Learning", ICML 2019:
       section 2 (PushSum), Algorithm 1, tau-OSGP (section 3, Appendix B), Tables 3-4.
     """
-    _base.check_axis_name(axis_name)
-    _base.check_exchange(exchange)
+    _axes.check_axis_name(axis_name)
+    _axes.check_exchange(exchange)
     topologies.check_topology(topology)
-    _base.check_int(overlap, "overlap", minimum=0)
+    _checks.check_int(overlap, "overlap", minimum=0)
     if (
         isinstance(allreduce_steps, bool)
         or not isinstance(allreduce_steps, int)
@@ -217,7 +217,7 @@ def sgp(
     ):
         raise ValueError(
             f"allreduce_steps must be a non-negative int, got {allreduce_steps!r}"
-            + _base.static_hint(allreduce_steps, "allreduce_steps")
+            + _checks.static_hint(allreduce_steps, "allreduce_steps")
         )
 
     def init_fn(params: Any) -> SgpState:
@@ -230,7 +230,7 @@ def sgp(
         else:  # nothing in flight: no arrays (zero-size ones do not checkpoint)
             slots, slots_w = (), ()
         return SgpState(
-            count=_base.zero_count(),
+            count=_schedule.zero_count(),
             weight=jnp.ones([], dtype),
             in_flight=slots,
             in_flight_weight=slots_w,
@@ -241,15 +241,15 @@ def sgp(
         updates: Any, state: SgpState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, SgpState]:
         del extra_args
-        _base.require_params(params, "sgp")
-        _base.check_updates(updates, axis_name, "sgp")
-        n = _base.axis_size(axis_name)
+        _checks.require_params(params, "sgp")
+        _checks.check_updates(updates, axis_name, "sgp")
+        n = _axes.axis_size(axis_name)
         graph = topologies.resolve(topology, n)
-        pairwise = _base.use_pairwise(axis_name, exchange, "sgp")
+        pairwise = _axes.use_pairwise(axis_name, exchange, "sgp")
         w = jnp.ones([], state.weight.dtype) if biased else state.weight
 
         def scaled(z: jax.Array, u: jax.Array) -> jax.Array:
-            ct = _base.compute_dtype(z.dtype)
+            ct = _axes.compute_dtype(z.dtype)
             return (z.astype(ct) * w.astype(ct) + u.astype(ct)).astype(z.dtype)
 
         x = jax.tree.map(scaled, params, updates)
@@ -270,10 +270,10 @@ def sgp(
             return mixed, mixed_w, queue, queue_w
 
         def exact() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
-            mixed = [_base.vary(b, axis_name) for b in lax.pmean(buffers, axis_name)]
+            mixed = [_axes.vary(b, axis_name) for b in lax.pmean(buffers, axis_name)]
             return (
                 mixed,
-                _base.vary(lax.pmean(w, axis_name), axis_name),
+                _axes.vary(lax.pmean(w, axis_name), axis_name),
                 state.in_flight,
                 state.in_flight_weight,
             )
@@ -290,7 +290,7 @@ def sgp(
         divisor = jnp.ones([], new_w.dtype) if biased else new_w
 
         def unscaled(v: jax.Array) -> jax.Array:
-            ct = _base.compute_dtype(v.dtype)
+            ct = _axes.compute_dtype(v.dtype)
             return (v.astype(ct) / divisor.astype(ct)).astype(v.dtype)
 
         z_new = jax.tree.map(unscaled, x_new)
@@ -307,10 +307,10 @@ def sgp(
 
 
 def dpsgd(
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
     topology: TopologySpec = "exponential-bidirectional",
-    exchange: _base.Exchange = "auto",
+    exchange: _axes.Exchange = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """D-PSGD (Lian et al., 2017): gossip on a symmetric, doubly stochastic graph, weights 1.
 
@@ -345,28 +345,28 @@ def dpsgd(
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?",
       NeurIPS 2017, as the baseline of Assran et al., ICML 2019 (sections 5-6).
     """
-    _base.check_axis_name(axis_name)
-    _base.check_exchange(exchange)
+    _axes.check_axis_name(axis_name)
+    _axes.check_exchange(exchange)
     topologies.check_topology(topology)
 
     def init_fn(params: Any) -> DpsgdState:
         del params
-        return DpsgdState(count=_base.zero_count())
+        return DpsgdState(count=_schedule.zero_count())
 
     @jax.named_scope("gradcomm.dpsgd")
     def update_fn(
         updates: Any, state: DpsgdState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, DpsgdState]:
         del extra_args
-        _base.require_params(params, "dpsgd")
-        _base.check_updates(updates, axis_name, "dpsgd")
-        graph = topologies.resolve(topology, _base.axis_size(axis_name))
+        _checks.require_params(params, "dpsgd")
+        _checks.check_updates(updates, axis_name, "dpsgd")
+        graph = topologies.resolve(topology, _axes.axis_size(axis_name))
         if not (graph.is_symmetric() and graph.is_doubly_stochastic()):
             raise ValueError(f"dpsgd needs a symmetric topology, got {graph.name}")
         x = jax.tree.map(jnp.add, params, updates)
         layouts, groups, buffers = _pack(x)
         one = jnp.ones([], jnp.float32)
-        pairwise = _base.use_pairwise(axis_name, exchange, "dpsgd")
+        pairwise = _axes.use_pairwise(axis_name, exchange, "dpsgd")
         mixed, _ = _mix(buffers, one, graph, state.count, axis_name, pairwise, True)
         mixed = _unpack(x, layouts, groups, mixed)
         delta = jax.tree.map(jnp.subtract, mixed, params)
@@ -375,7 +375,7 @@ def dpsgd(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def consensus_distance(params: Any, axis_name: _base.AxisName = "data") -> jax.Array:
+def consensus_distance(params: Any, axis_name: _axes.AxisName = "data") -> jax.Array:
     """This device's distance to the average model, |z_i - mean_j z_j|_2 (SGP Fig. 2).
 
     Call inside `shard_map` (or a named `vmap`) with per-device params; it costs one
@@ -390,7 +390,7 @@ def consensus_distance(params: Any, axis_name: _base.AxisName = "data") -> jax.A
     mean = lax.pmean(params, axis_name)
 
     def square(p: jax.Array, m: jax.Array) -> jax.Array:
-        ct = _base.compute_dtype(p.dtype)
+        ct = _axes.compute_dtype(p.dtype)
         return jnp.sum(jnp.square(p.astype(ct) - m.astype(ct)))
 
     squares = jax.tree.map(square, params, mean)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _base, _packing, sparse
+from gradcomm import _axes, _checks, _packing, sparse
 
 
 class LagsState(NamedTuple):
@@ -93,7 +93,7 @@ def _leaf_densities(density: Density, names: list[str]) -> list[float]:
         density = density.densities
     if not isinstance(density, Mapping):
         return [float(density)] * len(names)
-    matched = _base.match_names(list(density), names, "density")
+    matched = _checks.match_names(list(density), names, "density")
     missing = [name for name, m in zip(names, matched, strict=True) if m is None]
     if missing:
         raise ValueError(f"density gives no value for leaves {missing}")
@@ -105,7 +105,7 @@ def _zeros_like(params: Any) -> Any:
 
 
 def lags(
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
     density: Density = 0.001,
     selector: sparse.Selector = "sampled",
@@ -153,7 +153,7 @@ def lags(
       Shi et al., "Layer-wise Adaptive Gradient Sparsification for Distributed Deep
       Learning with Convergence Guarantees", ECAI 2020: eq. 5 and Algorithm 1.
     """
-    _base.check_axis_name(axis_name)
+    _axes.check_axis_name(axis_name)
     _check_density_spec(density)
     sparse.check_selector(selector)
 
@@ -165,11 +165,11 @@ def lags(
         updates: Any, state: LagsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LagsState]:
         del params, extra_args
-        _base.check_updates(updates, axis_name, "lags")
-        n = _base.axis_size(axis_name)
+        _checks.check_updates(updates, axis_name, "lags")
+        n = _axes.axis_size(axis_name)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [leaf for _, leaf in paths_leaves]
-        densities = _leaf_densities(density, _base.leaf_names([p for p, _ in paths_leaves]))
+        densities = _leaf_densities(density, _checks.leaf_names([p for p, _ in paths_leaves]))
         residuals = jax.tree.leaves(state.residual)
         out, new_residuals = list(leaves), list(residuals)
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
@@ -192,7 +192,7 @@ def lags(
 
 
 def slgs(
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
     density: float = 0.001,
     selector: sparse.Selector = "sampled",
@@ -224,7 +224,7 @@ def slgs(
     References:
       Shi et al., ECAI 2020: the SLGS-SGD baseline of sections 3 and 6.
     """
-    _base.check_axis_name(axis_name)
+    _axes.check_axis_name(axis_name)
     sparse.check_density(density)
     sparse.check_selector(selector)
 
@@ -236,8 +236,8 @@ def slgs(
         updates: Any, state: SlgsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, SlgsState]:
         del params, extra_args
-        _base.check_updates(updates, axis_name, "slgs")
-        n = _base.axis_size(axis_name)
+        _checks.check_updates(updates, axis_name, "slgs")
+        n = _axes.axis_size(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)
         dtype = jnp.result_type(*leaves)
@@ -266,7 +266,7 @@ def slgs(
 def lags_delta(
     acc: Any,
     density: Density,
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
     selector: sparse.Selector = "sampled",
 ) -> Any:
@@ -301,10 +301,10 @@ def lags_delta(
     sparse.check_selector(selector)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(acc)
     leaves = [leaf for _, leaf in paths_leaves]
-    densities = _leaf_densities(density, _base.leaf_names([p for p, _ in paths_leaves]))
+    densities = _leaf_densities(density, _checks.leaf_names([p for p, _ in paths_leaves]))
     deltas = []
     for leaf, d in zip(leaves, densities, strict=True):
-        x = leaf.ravel().astype(_base.compute_dtype(leaf.dtype))
+        x = leaf.ravel().astype(_axes.compute_dtype(leaf.dtype))
         k = sparse.num_kept(x.size, d)
         values, indices = sparse.topk(x, k, selector)
         total, sent = lax.psum((x, sparse.densify(values, indices, x.size)), axis_name)
@@ -461,7 +461,7 @@ def lags_profile(
     if method not in ("cost", "time"):
         raise ValueError(f"method must be 'cost' or 'time', got {method!r}")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    names = _base.leaf_names([p for p, _ in paths_leaves])
+    names = _checks.leaf_names([p for p, _ in paths_leaves])
     leaves = [leaf for _, leaf in paths_leaves]
 
     def measure(fn: Callable[..., Any], *args: Any) -> float:

@@ -27,19 +27,17 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _base, wire
+from gradcomm import _axes
 from gradcomm._layout import (
     TrainState,
     check_state_layout,
@@ -63,10 +61,11 @@ from gradcomm._placement import (
     pairwise_axes,
     per_device,
     place,
+    place_batch,
     replicate,
     shard_batch,
 )
-from gradcomm.sync import ParamsSync, average_params
+from gradcomm.sync import ParamsSync
 
 __all__ = [
     "TrainState",
@@ -82,13 +81,6 @@ __all__ = [
     "shard_batch",
     "train_step",
 ]
-
-
-def _averaging_due(state: Any) -> jax.Array | None:
-    """Whether any `ParamsAveraging` marker in a transformation's state asks for averaging."""
-    markers = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _base.ParamsAveraging))
-    flags = [m.due for m in markers if isinstance(m, _base.ParamsAveraging)]
-    return jnp.any(jnp.stack(flags)) if flags else None
 
 
 class TrainStep:
@@ -121,6 +113,9 @@ class TrainStep:
         self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
         self._spec = device_spec(mesh, names)
         self._param_spec = self._spec if params_per_device else P()
+        # Computed once: placing inputs on every call reuses them.
+        self._param_sharding = NamedSharding(mesh, self._param_spec)
+        self._batch_sharding = NamedSharding(mesh, self._spec)
         self._num_shards = num_shards(mesh, names)
         self._compiled: dict[Any, Any] = {}
 
@@ -131,29 +126,20 @@ class TrainStep:
             params = local_params(params, self._params_per_device)
             # Differentiating replicated (invariant) params would make JAX sum the gradient
             # over the devices; the transformation must see each device's own gradient.
-            out, grads = self._grad_fn(jax.tree.map(lambda x: _base.vary(x, names), params), batch)
+            out, grads = self._grad_fn(jax.tree.map(lambda x: _axes.vary(x, names), params), batch)
             loss, aux = out if self._has_aux else (out, {})
             state = unstack(state, flags)
             tx_state = state.tx if self._sync else state
-            with _base.averaging_periods() as periods:
-                updates, tx_state = tx.update(
-                    grads, tx_state, params, **{_base.DEFER_AVERAGING: True}
-                )
+            updates, tx_state = tx.update(grads, tx_state, params)
             params = optax.apply_updates(params, updates)
             if self._params_per_device:
-                due = _averaging_due(tx_state)
-                if due is not None:  # the exact mean, the same bits on every device
-                    average = functools.partial(average_params, axis_name=names)
-                    if len(set(periods)) == 1:  # a known schedule: named for gradcomm.wire
-                        average = wire.branch("average params", every=periods[0])(average)
-                    params = lax.cond(due, average, lambda p: p, params)
                 if self._sync:
                     params, sync_state = self._sync.update(params, state.sync)
                     tx_state = TrainState(tx_state, sync_state)
                 params = jax.tree.map(lambda x: x[None], params)
             else:
                 for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-                    varying = _base.varying_axes(leaf) & set(names)
+                    varying = _axes.varying_axes(leaf) & set(names)
                     if varying:
                         raise ValueError(
                             f"params are replicated, but after this transformation param "
@@ -205,7 +191,6 @@ class TrainStep:
         return self._compiled[key]
 
     def _place(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        mesh = self._mesh
         if self._params_per_device:
             hint = (
                 "per-device params carry one copy per device (`parallel.per_device(params, "
@@ -214,9 +199,9 @@ class TrainStep:
             )
             check_copies(params, self._num_shards, "param", hint)
         return (
-            place(params, NamedSharding(mesh, self._param_spec)),
+            place(params, self._param_sharding),
             state,
-            shard_batch(batch, mesh, self._names),
+            place_batch(batch, self._batch_sharding, self._num_shards),
         )
 
     def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict]:
@@ -231,7 +216,7 @@ def train_step(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     *,
-    axes: _base.AxisName | None = None,
+    axes: _axes.AxisName | None = None,
     params_per_device: bool = False,
     has_aux: bool = False,
     donate: bool = False,
@@ -243,13 +228,10 @@ def train_step(
     `tx.update(grads, state, params)` (the transformation's collectives run here), then
     `optax.apply_updates`. Metrics are averaged over devices.
 
-    Periodic parameter averaging (`gradcomm.local_sgd`, `gradient_dropping(average_every=
-    k)`) happens here: the step passes `defer_params_averaging=True` to the
-    transformation, which then returns its plain update and marks the step in its state,
-    and the step sets the per-device params to their exact mean (the same bits on every
-    device, which no additive update could guarantee). `sync` says the same out loud: a
-    `gradcomm.ParamsSync` (`gradcomm.periodic_average(axes, every=k)`) that runs on the
-    params after each step, as a hand-written loop would run it.
+    Then, with `sync` (a `gradcomm.ParamsSync` such as `gradcomm.local_sgd(axes, every=k)`
+    or `gradcomm.periodic_average(axes, every=k)`), the rule runs on the per-device params,
+    as a hand-written loop would run it: it can set them to one value, the same bits on
+    every device, which no additive update could guarantee.
 
     Args:
       loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, metrics_dict)` with `has_aux`.

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradcomm import _base, _packing
+from gradcomm import _axes, _checks, _collectives, _packing
 
 Selector = Literal["exact", "sampled"]
 SELECTORS: tuple[str, ...] = get_args(Selector)
@@ -53,7 +53,7 @@ def check_density(density: Any, arg: str = "density") -> float:
     """A density in (0, 1], as a float."""
     if isinstance(density, bool) or not isinstance(density, int | float | np.floating):
         raise ValueError(
-            f"{arg} must be a number in (0, 1], got {density!r}" + _base.static_hint(density, arg)
+            f"{arg} must be a number in (0, 1], got {density!r}" + _checks.static_hint(density, arg)
         )
     if not (0 < density <= 1):
         raise ValueError(f"{arg} must be in (0, 1], got {density!r}")
@@ -261,7 +261,7 @@ def _scatter_sum(
     bits as dividing the dense sum, without a pass over it. With `clipped`, indices equal
     to `size` mark pairs that belong elsewhere and are dropped.
     """
-    ct = _base.compute_dtype(values.dtype)
+    ct = _axes.compute_dtype(values.dtype)
     mode = "drop" if clipped else None
 
     def add(i: int, dense: jax.Array) -> jax.Array:
@@ -287,7 +287,7 @@ def exchange(
     values: jax.Array,
     indices: jax.Array,
     size: int,
-    axis_name: _base.AxisName,
+    axis_name: _axes.AxisName,
     *,
     divide_by: int | None = None,
 ) -> jax.Array:
@@ -348,14 +348,14 @@ def densify(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
 
 @jax.named_scope("exchange")
 def _gather_pairs(
-    sent: list[tuple[jax.Array, jax.Array]], axis_name: _base.AxisName
+    sent: list[tuple[jax.Array, jax.Array]], axis_name: _axes.AxisName
 ) -> tuple[jax.Array, jax.Array]:
     """One all-gather of every device's pairs (values of one dtype): `(n, sum k)` each."""
     dtype = sent[0][0].dtype
     payload = _packing.concatenate(
         [_to_bytes(values) for values, _ in sent] + [_to_bytes(indices) for _, indices in sent]
     )
-    gathered = _base.all_gather_invariant(payload, axis_name)  # (n, bytes)
+    gathered = _collectives.all_gather_invariant(payload, axis_name)  # (n, bytes)
     split = sum(values.shape[0] for values, _ in sent) * dtype.itemsize
     return (
         _from_bytes(gathered[:, :split], dtype),
@@ -366,7 +366,7 @@ def _gather_pairs(
 def sum_sparse(
     sent: list[tuple[jax.Array, jax.Array]],
     sizes: list[int],
-    axis_name: _base.AxisName,
+    axis_name: _axes.AxisName,
     *,
     divide_by: int | None = None,
 ) -> list[jax.Array]:
@@ -386,7 +386,7 @@ def sum_sparse(
     Returns:
       Per leaf, the flat dense sum (or mean), in float32 or wider.
     """
-    n = _base.axis_size(axis_name)
+    n = _axes.axis_size(axis_name)
     out: list[jax.Array | None] = [None] * len(sent)
     dense_ids, groups = [], {}
     for i, ((values, _), size) in enumerate(zip(sent, sizes, strict=True)):
@@ -396,7 +396,7 @@ def sum_sparse(
             groups.setdefault(values.dtype, []).append(i)
     if dense_ids:
         dense = [
-            densify(sent[i][0].astype(_base.compute_dtype(sent[i][0].dtype)), sent[i][1], sizes[i])
+            densify(sent[i][0].astype(_axes.compute_dtype(sent[i][0].dtype)), sent[i][1], sizes[i])
             for i in dense_ids
         ]
         for i, total in zip(dense_ids, lax.psum(dense, axis_name), strict=True):
@@ -418,7 +418,7 @@ def sum_sparse(
 def sum_sparse_segments(
     sent: tuple[jax.Array, jax.Array],
     sizes: list[int],
-    axis_name: _base.AxisName,
+    axis_name: _axes.AxisName,
     *,
     divide_by: int | None = None,
 ) -> list[jax.Array]:
@@ -438,7 +438,7 @@ def sum_sparse_segments(
       Per segment, its flat dense sum (or mean), in float32 or wider.
     """
     values = sent[0]
-    n = _base.axis_size(axis_name)
+    n = _axes.axis_size(axis_name)
     starts = np.cumsum([0, *sizes])
     if sparse_bytes_exceed_dense(int(starts[-1]), values.shape[0], values.dtype.itemsize, n):
         [flat] = sum_sparse([sent], [int(starts[-1])], axis_name, divide_by=divide_by)

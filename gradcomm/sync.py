@@ -22,7 +22,7 @@ import jax
 import optax
 from jax import lax
 
-from gradcomm import _base, wire
+from gradcomm import _axes, _checks, _schedule, wire
 
 
 class ParamsSync(NamedTuple):
@@ -40,13 +40,31 @@ class ParamsSync(NamedTuple):
     update: Callable[[Any, Any], tuple[Any, Any]]
 
 
+def _not_a_transformation(update: Callable[[Any, Any], Any], who: str) -> Callable[..., Any]:
+    """`update`, raising where optax calls it as a transformation's `update(updates, state,
+    params)` (a `ParamsSync` is a pair of functions, so `optax.chain` would accept it)."""
+
+    def checked(params: Any, state: Any, *misplaced: Any, **extra_args: Any) -> Any:
+        if misplaced or extra_args:
+            raise ValueError(
+                f"{who} returns a gradcomm.ParamsSync, which sets the params after the "
+                f"optimizer's step; it is not an optax transformation to chain. Pass it as "
+                f"parallel.train_step(..., sync=...), or call "
+                f"`params, sync_state = sync.update(params, sync_state)` after "
+                f"optax.apply_updates in your own loop"
+            )
+        return update(params, state)
+
+    return checked
+
+
 class PeriodicAverageState(NamedTuple):
     """State of `periodic_average`: the number of steps taken."""
 
     count: jax.Array
 
 
-def average_params(params: Any, axis_name: _base.AxisName = "data") -> Any:
+def average_params(params: Any, axis_name: _axes.AxisName = "data") -> Any:
     """The mean over the devices of per-device params, the same bits on every device.
 
     One all-reduce of the params. The result is typed as varying over `axis_name`, like
@@ -66,11 +84,11 @@ def average_params(params: Any, axis_name: _base.AxisName = "data") -> Any:
       Array([[2., 4.],
              [2., 4.]], dtype=float32)
     """
-    _base.check_float_leaves(params, "average_params")
-    return jax.tree.map(lambda x: _base.vary(x, axis_name), lax.pmean(params, axis_name))
+    _checks.check_float_leaves(params, "average_params")
+    return jax.tree.map(lambda x: _axes.vary(x, axis_name), lax.pmean(params, axis_name))
 
 
-def periodic_average(axis_name: _base.AxisName = "data", *, every: int = 20) -> ParamsSync:
+def periodic_average(axis_name: _axes.AxisName = "data", *, every: int = 20) -> ParamsSync:
     """Sets the params to their exact mean over the devices after steps k, 2k, ...
 
     Local SGD's model averaging (federated averaging), and the periodic averaging that
@@ -102,18 +120,64 @@ def periodic_average(axis_name: _base.AxisName = "data", *, every: int = 20) -> 
       McMahan et al., AISTATS 2017 (federated averaging); Aji and Heafield, EMNLP 2017,
       section 3.1.
     """
-    _base.check_axis_name(axis_name)
-    _base.check_int(every, "every", minimum=1)
+    return _periodic(axis_name, every, "periodic_average")
+
+
+def local_sgd(axis_name: _axes.AxisName = "data", *, every: int = 20) -> ParamsSync:
+    """Local SGD (federated averaging): each device steps alone, params averaged every k steps.
+
+    There is no gradient exchange: each device applies its own optimizer (any optax one)
+    to its own gradients, and after steps k, 2k, ... (counting from 1) the params are set
+    to their exact mean, the same bits on every device. The optimizer's state is not
+    averaged. It is `periodic_average` under the name the papers use; with
+    `gradient_dropping(local=...)` the same rule is its periodic model averaging (3.1).
+
+        step = parallel.train_step(loss, optax.sgd(0.1), mesh, params_per_device=True,
+                                   sync=gradcomm.local_sgd("data", every=20))
+
+    A hand-written `shard_map` loop adds one line after `optax.apply_updates`:
+    `params, sync_state = sync.update(params, sync_state)`.
+
+    Args:
+      axis_name: the mesh axis (or tuple of axes) to average over.
+      every: the averaging period k >= 1 (the federated-averaging baseline of Aji et al.
+        uses 20).
+
+    Returns:
+      A `ParamsSync` whose state is a `PeriodicAverageState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, gradcomm
+      >>> tx, sync = optax.sgd(1.0), gradcomm.local_sgd("data", every=1)
+      >>> params = jnp.array([[1.0], [3.0]])  # one row per device
+      >>> def step(p, g):
+      ...     updates, _ = tx.update(g, tx.init(p), p)
+      ...     return sync.update(optax.apply_updates(p, updates), sync.init(p))[0]
+      >>> jax.vmap(step, axis_name="data")(params, jnp.array([[0.0], [2.0]]))[:, 0]
+      Array([1., 1.], dtype=float32)
+
+    References:
+      McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
+      Data", AISTATS 2017, as the baseline of Aji, Heafield and Bogoychev, EMNLP 2019
+      (sections 2.2, 3.1).
+    """
+    return _periodic(axis_name, every, "local_sgd")
+
+
+def _periodic(axis_name: _axes.AxisName, every: int, who: str) -> ParamsSync:
+    """`periodic_average`'s rule, its errors naming the factory `who` the user called."""
+    _axes.check_axis_name(axis_name)
+    _checks.check_int(every, "every", minimum=1)
 
     def init(params: Any) -> PeriodicAverageState:
         del params
-        return PeriodicAverageState(count=_base.zero_count())
+        return PeriodicAverageState(count=_schedule.zero_count())
 
-    @jax.named_scope("gradcomm.periodic_average")
+    @jax.named_scope(f"gradcomm.{who}")
     def update(params: Any, state: PeriodicAverageState) -> tuple[Any, PeriodicAverageState]:
-        due = _base.averaging_due(state.count, every)
+        due = _schedule.every(state.count, every)
         average = wire.branch("average params", every=every)(lambda p: average_params(p, axis_name))
         params = lax.cond(due, average, lambda p: p, params)
         return params, PeriodicAverageState(count=optax.safe_increment(state.count))
 
-    return ParamsSync(init, update)
+    return ParamsSync(init, _not_a_transformation(update, who))

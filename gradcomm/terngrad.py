@@ -48,7 +48,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _base, _packing
+from gradcomm import _axes, _checks, _collectives, _numeric, _packing, _schedule
 
 Wire = Literal["packed", "all_gather", "all_to_all", "simulate"]
 WIRES: tuple[str, ...] = get_args(Wire)
@@ -86,7 +86,7 @@ def _clip_bound(g: jax.Array, clip: float | None) -> jax.Array:
     """
     if clip is None:
         return jnp.asarray(jnp.inf, g.dtype)
-    _, inverse = _base.pow2_scale(jnp.max(jnp.abs(g)))
+    _, inverse = _numeric.pow2_scale(jnp.max(jnp.abs(g)))
     sigma = jnp.std(g * inverse)
     return jnp.where(sigma > 0, clip * sigma / inverse, jnp.inf)
 
@@ -175,8 +175,8 @@ def ternarize(
       Learning", NeurIPS 2017, eqs. 1-3 and 21.
     """
     _check_clip(clip)
-    _base.check_float_leaves(g, "ternarize")
-    g = jnp.asarray(g).astype(_base.compute_dtype(g.dtype))
+    _checks.check_float_leaves(g, "ternarize")
+    g = jnp.asarray(g).astype(_axes.compute_dtype(g.dtype))
     bound = _clip_bound(g, clip)
     scale = _local_scale(g, bound)
     return _codes(g, bound, scale, _key_words(_as_key(key))).astype(jnp.int8), scale
@@ -192,7 +192,7 @@ def _round_up_scale(scale: jax.Array, n: int) -> jax.Array:
     bits = info.nmant + 1 - n.bit_length()
     mantissa, exponent = jnp.frexp(scale)  # mantissa in [0.5, 1)
     mantissa = jnp.ceil(mantissa * 2.0**bits) * 2.0 ** (1 - bits)  # in [1, 2]
-    rounded = mantissa * _base.exact_pow2(exponent - 1, scale.dtype)
+    rounded = mantissa * _numeric.exact_pow2(exponent - 1, scale.dtype)
     normal = jnp.isfinite(scale) & (scale >= info.tiny)
     return jnp.where(normal, rounded, scale)
 
@@ -256,7 +256,7 @@ def _unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
 
 @jax.named_scope("exchange")
 def _code_sums(
-    packed: list[jax.Array], axis_name: _base.AxisName, n: int, strategy: Strategy
+    packed: list[jax.Array], axis_name: _axes.AxisName, n: int, strategy: Strategy
 ) -> list[list[jax.Array]]:
     """Per leaf, the digit rows of the sum over devices of its codes plus n: in [0, 2n].
 
@@ -269,7 +269,7 @@ def _code_sums(
     offsets = np.cumsum([0] + [p.size for p in packed])
     flat = _packing.concatenate(packed)
     if strategy == "all_gather":
-        gathered = _base.all_gather_invariant(flat, axis_name)  # (n, bytes)
+        gathered = _collectives.all_gather_invariant(flat, axis_name)  # (n, bytes)
         return [
             list(_packing.digit_sums(gathered[:, start:end], 3, sum_dtype))
             for start, end in itertools.pairwise(offsets)
@@ -281,7 +281,7 @@ def _code_sums(
     mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
     partial = _packing.digit_sums(mine, 3, jnp.uint32)  # chunk j of every device
     words = _packing.pack(partial.reshape(_PER_BYTE, per_sum, -1), 2 * n + 1)
-    gathered = _base.all_gather_invariant(words, axis_name)  # (n, _PER_BYTE, words)
+    gathered = _collectives.all_gather_invariant(words, axis_name)  # (n, _PER_BYTE, words)
     digits = _packing.unpack(gathered, 2 * n + 1, axis=0).astype(sum_dtype)
     sums = digits.transpose(2, 1, 0, 3).reshape(_PER_BYTE, -1)  # (_PER_BYTE, n * chunk)
     return [
@@ -292,13 +292,13 @@ def _code_sums(
 def _ternary_mean(
     leaves: list[jax.Array],
     key: jax.Array,
-    axis_name: _base.AxisName,
+    axis_name: _axes.AxisName,
     n: int,
     clip: float | None,
     wire: Wire,
 ) -> list[jax.Array]:
     """The mean over the devices of the ternarized leaves (eqs. 1-4), sent as `wire` says."""
-    ct = _base.compute_dtype(jnp.result_type(*leaves))
+    ct = _axes.compute_dtype(jnp.result_type(*leaves))
     gs = [leaf.astype(ct) for leaf in leaves]
     bounds = [_clip_bound(g, clip) for g in gs]
     local = jnp.stack([_local_scale(g, b) for g, b in zip(gs, bounds, strict=True)])
@@ -334,7 +334,7 @@ def _dense_mask(names: list[str], leaves: list[jax.Array], dense: Dense) -> list
     if callable(dense):
         return [bool(dense(name, leaf)) for name, leaf in zip(names, leaves, strict=True)]
     entries = [dense] if isinstance(dense, str) else list(dense)
-    return [entry is not None for entry in _base.match_names(entries, names, "dense")]
+    return [entry is not None for entry in _checks.match_names(entries, names, "dense")]
 
 
 def _check_dense(dense: Dense) -> None:
@@ -353,7 +353,7 @@ def _check_dense(dense: Dense) -> None:
 
 
 def terngrad(
-    axis_name: _base.AxisName = "data",
+    axis_name: _axes.AxisName = "data",
     *,
     clip: float | None = 2.5,
     seed: int = 0,
@@ -402,29 +402,29 @@ def terngrad(
       Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
       Learning", NeurIPS 2017: eqs. 1-4, 21, Algorithm 1, sections 3.1-3.3.
     """
-    _base.check_axis_name(axis_name)
+    _axes.check_axis_name(axis_name)
     _check_clip(clip)
     _check_dense(dense)
-    _base.check_int(seed, "seed")
+    _checks.check_int(seed, "seed")
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
 
     def init_fn(params: Any) -> TernGradState:
         del params
         key = jax.random.key_data(jax.random.key(seed))
-        return TernGradState(count=_base.zero_count(), key=key)
+        return TernGradState(count=_schedule.zero_count(), key=key)
 
     @jax.named_scope("gradcomm.terngrad")
     def update_fn(
         updates: Any, state: TernGradState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, TernGradState]:
         del params, extra_args
-        _base.check_updates(updates, axis_name, "terngrad")
-        n = _base.axis_size(axis_name)
+        _checks.check_updates(updates, axis_name, "terngrad")
+        n = _axes.axis_size(axis_name)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         paths = [p for p, _ in paths_leaves]
         leaves = [leaf for _, leaf in paths_leaves]
-        keep_dense = _dense_mask(_base.leaf_names(paths), leaves, dense)
+        keep_dense = _dense_mask(_checks.leaf_names(paths), leaves, dense)
         out = list(leaves)
         dense_ids = [i for i, d in enumerate(keep_dense) if d or not leaves[i].size]
         if dense_ids:
@@ -434,7 +434,7 @@ def terngrad(
         ids = [i for i in range(len(leaves)) if i not in set(dense_ids)]
         if ids:
             key = jax.random.fold_in(_as_key(state.key), state.count)
-            key = jax.random.fold_in(key, _base.axis_index(axis_name))
+            key = jax.random.fold_in(key, _axes.axis_index(axis_name))
             averaged = _ternary_mean([leaves[i] for i in ids], key, axis_name, n, clip, wire)
             for i, leaf in zip(ids, averaged, strict=True):
                 out[i] = leaf

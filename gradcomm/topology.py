@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from gradcomm import _base
+from gradcomm import _checks
 
 Move = tuple[int, ...]
 
@@ -110,7 +110,7 @@ def swap_distance(move: Move) -> int | None:
 
 
 def _check_n(n: int) -> None:
-    _base.check_int(n, "the number of devices", minimum=1)
+    _checks.check_int(n, "the number of devices", minimum=1)
 
 
 def _shift_phase(n: int, shifts: Sequence[int]) -> tuple[tuple[Move, ...], str]:
@@ -141,7 +141,7 @@ def exponential(n: int, *, peers: int = 1, both_directions: bool = False) -> Top
       ((3, 4, 5, 0, 1, 2),)
     """
     _check_n(n)
-    _base.check_int(peers, "peers", minimum=1)
+    _checks.check_int(peers, "peers", minimum=1)
     base = peers + 1
     rounds = 1 if n == 1 else math.ceil(math.log(n) / math.log(base) - 1e-12)
     phases = []

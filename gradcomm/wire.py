@@ -81,7 +81,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import jax
 
-from gradcomm import _base
+from gradcomm import _checks
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -194,7 +194,7 @@ def branch(label: str, *, every: int | None = None, first: int | None = None) ->
             f'branch label must be non-empty printable text without / [ ] | " \\, got {label!r}'
         )
     for name, value in (("every", every), ("first", first)):
-        _base.check_int(value, f"branch {name}", minimum=1, optional=True)
+        _checks.check_int(value, f"branch {name}", minimum=1, optional=True)
     if every is not None and first is not None:
         raise ValueError("a branch runs either periodically (every) or in a warm-up (first)")
     schedule = f"|every={every}" if every else f"|first={first}" if first else ""

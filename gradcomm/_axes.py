@@ -1,0 +1,128 @@
+"""Mesh axes and their types: names, sizes, and which values vary across devices.
+
+Every gradcomm transformation runs inside `jax.shard_map`, `jax.pmap` or a named `jax.vmap`
+and talks to the other devices over a named axis. This module validates those names, reads
+their sizes with a clear error where they are not bound, and reads and sets JAX's
+varying/invariant types (the `check_vma` system of `shard_map`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+AxisName = str | tuple[str, ...]
+Exchange = Literal["auto", "permute", "pairwise"]
+EXCHANGES: tuple[str, ...] = ("auto", "permute", "pairwise")
+
+
+def check_axis_name(axis_name: Any, arg: str = "axis_name") -> AxisName:
+    """Validates an axis name at construction time: a non-empty str or tuple of them."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            f"{arg} must be a non-empty string or a tuple of them naming mesh axes, "
+            f"got {axis_name!r}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{arg} names an axis twice: {axis_name!r}")
+    return axis_name
+
+
+def axis_names(axis_name: AxisName) -> tuple[str, ...]:
+    """The axis name as a tuple of names."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def check_disjoint(first: AxisName, second: AxisName, first_arg: str, second_arg: str) -> None:
+    """Raises if two axis arguments share a mesh axis."""
+    shared = set(axis_names(first)) & set(axis_names(second))
+    if shared:
+        raise ValueError(
+            f"{second_arg}={second!r} must name different mesh axes from "
+            f"{first_arg}={first!r}; both name {sorted(shared)}"
+        )
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Static size of a bound named axis, with a clear error when it is not bound."""
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"axis {axis_name!r} is not bound here: call gradcomm transformations inside "
+            f"jax.shard_map, jax.pmap or jax.vmap over a mesh axis named {axis_name!r} "
+            f"({e})"
+        ) from None
+
+
+def axis_index(axis_name: AxisName) -> jax.Array:
+    """This device's index along a named axis (row-major over a tuple of axes)."""
+    axis_size(axis_name)  # for the error message
+    return lax.axis_index(axis_name)
+
+
+def is_manual(axis_name: AxisName) -> bool:
+    """True inside `shard_map` (and `pmap`), where collectives carry varying/invariant types."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return all(n in manual for n in axis_names(axis_name))
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which a traced value may differ between devices (under shard_map)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def vary(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Types a value as varying over the axes (a no-op where it already is, or under vmap)."""
+    if not is_manual(axis_name):
+        return x
+    missing = tuple(n for n in axis_names(axis_name) if n not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def check_exchange(exchange: Any) -> Exchange:
+    """Validates an `exchange` argument at construction time."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    return exchange
+
+
+def _platform() -> str:
+    """The platform of the mesh being mapped over (the default backend outside one)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
+    """Whether pairwise swaps over `axis_name` go through `exchange` rather than `ppermute`.
+
+    "permute" never does; "pairwise" always does, and needs every axis of `axis_name` to
+    have size 2 (or 1; see `gradcomm.parallel.pairwise_axes`); "auto" does where that
+    holds, under `shard_map` or `pmap`, on CPU devices in more than one process. There
+    the collectives go over the network through gloo, which runs a `ppermute` in which
+    two devices send to each other at half the link's speed and a two-member reduce-scatter
+    at full speed both ways. NCCL and TPU ICI have no such penalty, and within one
+    process there is no link, so "auto" keeps `ppermute` there.
+    """
+    sizes = {name: axis_size(name) for name in axis_names(axis_name)}
+    factored = all(size <= 2 for size in sizes.values())
+    if exchange == "pairwise" and not factored:
+        raise ValueError(
+            f"{who}: exchange='pairwise' needs axis_name to name mesh axes of size 2 only "
+            f"(build them with gradcomm.parallel.pairwise_axes), got sizes {sizes}"
+        )
+    if exchange == "auto":
+        on_gloo = _platform() == "cpu" and jax.process_count() > 1
+        return factored and on_gloo and is_manual(axis_name)
+    return exchange == "pairwise"
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The accumulation dtype for a floating dtype: at least float32."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))

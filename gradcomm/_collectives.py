@@ -1,0 +1,174 @@
+"""Collectives with the right types in every context, and the pairwise exchange for gloo.
+
+`lax.ppermute` and `lax.all_gather` behave differently under `shard_map`, `pmap` and a named
+`vmap`; the wrappers here give one behaviour everywhere. `exchange` and
+`all_gather_pairwise` are the swap and the gather written as two-member reduce-scatters,
+which gloo runs at full speed both ways (see `gradcomm._axes.use_pairwise`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from gradcomm._axes import AxisName, axis_names, axis_size, is_manual, vary, varying_axes
+
+
+def all_gather_invariant(x: jax.Array, axis_name: AxisName, *, tiled: bool = False) -> jax.Array:
+    """`lax.all_gather` whose result is typed as identical on every device.
+
+    Under `shard_map` with `check_vma=True` this lets a result that every device provably
+    holds bit for bit leave the map with `out_specs=P()`. Under `vmap` the type system has
+    no such notion and the plain gather is used.
+    """
+    to = "invarying" if is_manual(axis_name) else "varying"
+    return lax.all_gather(x, axis_name, tiled=tiled, to=to)
+
+
+def ppermute(x: jax.Array, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> jax.Array:
+    """`lax.ppermute` where destinations nobody sends to receive zeros, in every context.
+
+    Under `shard_map` and `pmap` a partial permutation sends only the listed pairs. `vmap`
+    accepts only complete permutations, so there the missing pairs are added and their
+    destinations zeroed afterwards (no real wire exists under `vmap`).
+    """
+    if is_manual(axis_name):
+        return lax.ppermute(x, axis_name, perm)
+    n = axis_size(axis_name)
+    sources = [s for s, _ in perm]
+    targets = [t for _, t in perm]
+    idle_sources = [i for i in range(n) if i not in sources]
+    idle_targets = [i for i in range(n) if i not in targets]
+    full = list(perm) + list(zip(idle_sources, idle_targets, strict=True))
+    received = lax.ppermute(x, axis_name, full)
+    listed = jnp.isin(lax.axis_index(axis_name), jnp.asarray(targets, jnp.int32))
+    return jnp.where(listed, received, jnp.zeros_like(received))
+
+
+def _bit_axes(axis_name: AxisName) -> tuple[str, ...]:
+    """The size-2 axes of `axis_name`, least significant first (size-1 axes add no bit)."""
+    sizes = {name: axis_size(name) for name in axis_names(axis_name)}
+    if any(size > 2 for size in sizes.values()):
+        raise ValueError(f"pairwise exchanges need mesh axes of size 2, got sizes {sizes}")
+    return tuple(name for name in reversed(sizes) if sizes[name] == 2)
+
+
+def pair_axis(axis_name: AxisName, distance: int) -> str:
+    """The size-2 axis in which device i and device i ^ distance differ.
+
+    The index over a tuple of axes is row-major, so over axes of size 2 (or 1), bit j of
+    the index is the index along the j-th size-2 axis from the end.
+    """
+    bit_axes = _bit_axes(axis_name)
+    level = distance.bit_length() - 1
+    if distance != 1 << level or level >= len(bit_axes):
+        raise ValueError(f"no size-2 axis of {axis_name!r} pairs devices {distance} apart")
+    return bit_axes[level]
+
+
+def _unsigned(dtype: np.dtype) -> np.dtype:
+    return np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def exchange(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
+    """Device i receives x of device i ^ distance, exactly, through a 2-member reduce-scatter.
+
+    Over the one size-2 axis that separates the pair, each device lays out two slots, its
+    own bits (as unsigned integers) in its partner's slot and zeros in its own, and a
+    reduce-scatter hands each device the sum of its slot: the partner's bits plus zeros,
+    so -0.0, NaN payloads, bf16 and fp16 come through unchanged. Each device sends the
+    bytes of `x` once, like the swap `ppermute(x, [(i, i ^ distance)])` it replaces;
+    gloo runs that swap at half speed and this at full speed both ways.
+
+    An all-reduce of the bits less the device's own is cheaper, but it needs the device
+    to subtract the very bits it sent. XLA:CPU may fuse the producer of `x` into the
+    all-reduce's operand and into the subtraction separately and contract a product into
+    an FMA in one of them only; then the two differ in the last bit and the difference is
+    garbage (Adasum at N = 4 returned NaN that way; `tests/test_pairwise.py`). Here
+    nobody needs the bits it sent. Needs `axis_name` to be size-2 axes (`use_pairwise`)
+    and `distance` a power of two below the axis size. Its gradient is the same swap of
+    the cotangent.
+    """
+    axis = pair_axis(axis_name, distance)
+    x = vary(x, axis_name)  # typed like a ppermute's result over the whole axis_name
+    bits = lax.bitcast_convert_type(x, _unsigned(x.dtype))
+    upper = lax.axis_index(axis) == 1
+    zeros = jnp.zeros_like(bits)
+    slots = jnp.stack([jnp.where(upper, bits, zeros), jnp.where(upper, zeros, bits)])
+    received = lax.psum_scatter(slots, axis, scatter_dimension=0, tiled=False)
+    return lax.bitcast_convert_type(received, x.dtype)
+
+
+def _exchange_fwd(x: jax.Array, axis_name: AxisName, distance: int) -> tuple[jax.Array, None]:
+    return exchange(x, axis_name, distance), None
+
+
+def _exchange_bwd(axis_name: AxisName, distance: int, _: None, ct: jax.Array) -> tuple[Any]:
+    return (exchange(ct, axis_name, distance),)  # a swap is its own transpose
+
+
+exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """`all_gather_invariant(x, axis_name)` over size-2 axes, as one `exchange` per axis.
+
+    Reverse doubling: at step j each device swaps the 2^j rows it holds with device
+    i ^ 2^j, so each device sends (N - 1) rows in all, like an all-gather, and every
+    step runs at full speed both ways on gloo. The rows are the same bits on every
+    device, which the result's type then says (`assume_invariant`).
+    """
+    # Each step reads `held` in the exchange and twice in the select. Without the barrier
+    # XLA:CPU fused its producer (Adasum's last combine) into the select and recomputed
+    # it for each read; with it (expanded away later, but after fusion) the select reads
+    # one materialized copy. Measured: hierarchical Adasum's step 1.49x -> 1.37x allreduce.
+    held = lax.optimization_barrier(x)[None]
+    for level, name in enumerate(_bit_axes(axis_name)):
+        received = exchange(held, axis_name, 1 << level)
+        upper = lax.axis_index(name) == 1  # this device's rows come second
+        held = jnp.concatenate([jnp.where(upper, received, held), jnp.where(upper, held, received)])
+    return assume_invariant(held, axis_name)
+
+
+# A no-op that types a value as invariant over mesh axes: what `psum` does to its result,
+# without the communication. JAX 0.10.2 offers no public cast from varying to invariant
+# (lax.pcast goes the other way), so this is the one place that builds on the abstract
+# value's `mat` (manual axis type) attribute; checked against JAX 0.10.2.
+_assume_invariant_p = Primitive("gradcomm_assume_invariant")
+_assume_invariant_p.def_abstract_eval(
+    lambda aval, *, axes: aval.update(
+        manual_axis_type=aval.mat.update(varying=aval.mat.varying - frozenset(axes))
+    )
+)
+mlir.register_lowering(_assume_invariant_p, lambda ctx, x, *, axes: [x])
+batching.primitive_batchers[_assume_invariant_p] = lambda args, dims, *, axes: (
+    _assume_invariant_p.bind(args[0], axes=axes),
+    dims[0],
+)
+# The value is every device's, so each device's copy takes an equal share of the
+# cotangent: the gradient all_gather_invariant would give (exact, N being 2^k).
+ad.deflinear2(
+    _assume_invariant_p,
+    lambda ct, x, *, axes: (vary(ct, axes) / math.prod(axis_size(a) for a in axes),),
+)
+
+
+def assume_invariant(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Types `x` as identical on every device of the axes, which the caller guarantees.
+
+    For values that an algorithm makes bit-identical without a collective whose type
+    says so (`all_gather_pairwise`), so that they may leave `shard_map` with
+    `out_specs=P()`.
+    """
+    axes = tuple(n for n in axis_names(axis_name) if n in varying_axes(x))
+    return _assume_invariant_p.bind(x, axes=axes) if axes else x
