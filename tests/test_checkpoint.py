@@ -34,8 +34,9 @@ METHODS = {
     "dropping": lambda: optax.chain(
         gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=2), optax.adam(1e-2)
     ),
-    # Per-device params. Local SGD averages at the third step, after the restore.
-    "local_sgd": lambda: optax.chain(optax.sgd(0.05), gradcomm.local_sgd("data", every=3)),
+    # Per-device params. Local SGD (SGD and its sync, below) averages at the third step,
+    # after the restore: the sync's step count is in the checkpoint.
+    "local_sgd": lambda: optax.sgd(0.05),
     # SGP: push-sum weights, and with overlap a message in flight; without, no in-flight
     # arrays at all (zero-size ones would not save).
     "sgp0": lambda: optax.chain(optax.sgd(0.05), gradcomm.sgp("data", overlap=0)),
@@ -43,6 +44,7 @@ METHODS = {
     "dpsgd": lambda: optax.chain(optax.sgd(0.05), gradcomm.dpsgd("data")),
 }
 PER_DEVICE = {"local_sgd", "sgp0", "sgp1", "dpsgd"}
+SYNCS = {"local_sgd": lambda: gradcomm.local_sgd("data", every=3)}
 
 
 def _data(steps=3):
@@ -63,10 +65,11 @@ def _data(steps=3):
 
 def _start(method, mesh, params):
     tx = METHODS[method]()
+    sync = SYNCS[method]() if method in SYNCS else None
     per_device = method in PER_DEVICE
-    step = parallel.train_step(loss, tx, mesh, params_per_device=per_device)
+    step = parallel.train_step(loss, tx, mesh, params_per_device=per_device, sync=sync)
     p = (parallel.per_device if per_device else parallel.replicate)(params, mesh)
-    return tx, step, p, parallel.init_state(tx, p, mesh, params_per_device=per_device)
+    return tx, step, p, parallel.init_state(tx, p, mesh, params_per_device=per_device, sync=sync)
 
 
 def _save(path, tree):

@@ -1,8 +1,10 @@
 """The optax contract, for every factory of the README's method table.
 
-Each case is one row of the table, Adasum twice (flat, and hierarchical with
-`local_axis`), SGP twice (no overlap, and overlap 1: "osgp") and gradient dropping three
-times (plain, `local="compensated"`, `average_every=2`). Every case meets every check:
+Each case is one row of the table that is an optax transformation, Adasum twice (flat,
+and hierarchical with `local_axis`), SGP twice (no overlap, and overlap 1: "osgp") and
+gradient dropping twice (plain, `local="compensated"`). Local SGD and periodic averaging
+are `gradcomm.ParamsSync` rules on the params, not transformations: `test_sync.py` holds
+them to the same contexts. Every case meets every check:
 
 * extra keyword arguments to `update` are accepted and ignored, and three jitted
   `parallel.train_step` steps trace once;
@@ -16,8 +18,7 @@ times (plain, `local="compensated"`, `average_every=2`). Every case meets every 
 * under a jitted `jax.shard_map` (the README's loop), `jax.pmap` and a named `jax.vmap`,
   the first update matches a float64 NumPy reference (every case in every context;
   hierarchical Adasum under `pmap` maps nodes with `pmap` and the local axis with `vmap`,
-  JAX having no nested `pmap`); `gradient_dropping(average_every=...)`, documented to
-  need `parallel.train_step`, raises a ValueError that says so;
+  JAX having no nested `pmap`);
 * `optax.MultiSteps`, `gradcomm.apply_if_finite` and `optax.inject_hyperparams`: every
   case with every wrapper (`optax.apply_if_finite`, which decides per device, is
   refused), the loop alternating between `parallel.init_state` +
@@ -55,7 +56,6 @@ from gradcomm import parallel, topology
 
 N = 4  # devices, unless a case says otherwise
 LR = 0.5
-DEFER = "defer_params_averaging"  # what parallel.train_step passes (see its docstring)
 SHAPES = {"w": (2, 4), "b": (5,), "s": ()}  # odd-length and scalar leaves
 # Scalar, size-1, odd-length and bfloat16 leaves, for the zero-gradient check.
 MIXED = {"s": (), "one": (1,), "odd": (7,), "half": (5,)}
@@ -71,7 +71,6 @@ class Case:
     per_device: bool = False  # params kept per device (`params_per_device=True`)
     synced: bool = True  # every device ends with the same update
     hierarchical: bool = False  # mesh {"node": n // 2, "local": 2}
-    hand_loop: bool = True  # False: documented to need parallel.train_step
 
 
 CASES = {
@@ -99,18 +98,6 @@ CASES = {
         before=True,
         per_device=True,  # each device adds its own local gradient
         synced=False,
-    ),
-    "gradient_dropping_average": Case(
-        lambda: gradcomm.gradient_dropping(
-            "data", drop_ratio=0.75, average_every=2, warmup_steps=0
-        ),
-        before=True,
-        per_device=True,
-        synced=False,
-        hand_loop=False,
-    ),
-    "local_sgd": Case(
-        lambda: gradcomm.local_sgd("data", every=1), before=False, per_device=True, synced=False
     ),
 }
 NAMES = list(CASES)
@@ -244,14 +231,10 @@ def _hand_step(
 def _plain_update(
     tx: optax.GradientTransformation, name: str, dtypes: list | None = None
 ) -> Callable[..., Any]:
-    """`update(grads, state, params) -> (params, state)`, noting the updates' dtypes.
-
-    `gradient_dropping(average_every=...)` gets what `parallel.train_step` passes it.
-    """
+    """`update(grads, state, params) -> (params, state)`, noting the updates' dtypes."""
 
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-        extra = {DEFER: True} if name == "gradient_dropping_average" else {}
-        updates, state = tx.update(grads, state, params, **extra)
+        updates, state = tx.update(grads, state, params)
         if dtypes is not None:
             dtypes.extend(x.dtype for x in jax.tree.leaves(updates))
         return optax.apply_updates(params, updates), state
@@ -332,8 +315,6 @@ def _reference(name: str, params: dict, grads: dict) -> dict | None:
             return np.stack(reference.gradient_dropping_step(zeros, list(x), k, local)[0])
 
         return per_leaf(dropping)
-    if name == "local_sgd":  # every=1: the mean of the stepped params, less one's own
-        return per_leaf(lambda z, x: same((z + x).mean(0)) - z)
     if name == "sgp":  # push-sum from weight 1: z' = M(z + u) / M 1
         m = _mixing(name, n)
         return per_leaf(lambda z, x: (m @ (z + x)) / (m @ np.ones(n))[:, None] - z)
@@ -358,9 +339,8 @@ def _run(name: str, context: str, n: int, params: dict, grads: list[dict]) -> li
     Returns NumPy rows `(n, *shape)` per set; one program is compiled and run on each.
     `params` are rows. Under `shard_map` params enter replicated (or per device) and each
     device differentiates `_loss` of its own batch shard, as in the README's loop; under
-    `pmap` and `vmap` every input is per device. "train_step" (the one loop
-    `gradient_dropping(average_every=...)` supports) reports the change of the params,
-    the method being the whole transformation.
+    `pmap` and `vmap` every input is per device. "train_step" reports the change of the
+    params, the method being the whole transformation.
     """
     case = CASES[name]
     tx = case.make()
@@ -426,13 +406,8 @@ def _run(name: str, context: str, n: int, params: dict, grads: list[dict]) -> li
 def test_contexts_give_the_reference(name, context):
     """shard_map (the README's loop), pmap and a named vmap: the float64 reference's first
     update in the params' dtype, the same bits on every device where the method
-    synchronises (TernGrad, random: within the gradients' range, not all zero); where a
-    method documents a context as unsupported, a ValueError that says so."""
+    synchronises (TernGrad, random: within the gradients' range, not all zero)."""
     params, grads = _params_rows(name, N), _rows(1, N)
-    if not CASES[name].hand_loop:
-        with pytest.raises(ValueError, match=r"gradcomm\.parallel\.train_step"):
-            _run(name, context, N, params, [grads])
-        return
     [updates] = _run(name, context, N, params, [grads])
     _assert_finite(updates)
     assert all(updates[key].dtype == params[key].dtype for key in params)
@@ -453,7 +428,6 @@ def test_contexts_give_the_reference(name, context):
 ZERO_RUNS = {
     "allreduce": ("shard_map", 1),
     "sgp": ("pmap", 8),
-    "gradient_dropping_average": ("train_step", N),  # the one loop it supports
 }
 ZERO_MATRIX = [(name, *ZERO_RUNS.get(name, (c, N))) for name, c in _rotate(CONTEXTS)]
 
@@ -585,8 +559,6 @@ def _update_jaxpr(name: str, extra: dict) -> str:
     """The jaxpr of one update of the method alone, under `shard_map`, given `extra`."""
     case, mesh = CASES[name], _mesh(name)
     tx, spec = case.make(), parallel.device_spec(mesh)
-    if name == "gradient_dropping_average":
-        extra = {**extra, DEFER: True}
 
     def body(params: Any, grads: Any) -> Any:
         params = jax.tree.map(lambda x: x[0], params) if case.per_device else params
@@ -635,17 +607,14 @@ WRAPPERS = ["multisteps", "apply_if_finite", "inject_hyperparams"]
 LOOPS = ["train_step", "hand_loop"]
 PENDING = "wrapper fix pending"
 WRAPPER_XFAILS: dict[tuple[str, str], str] = {}  # (case, wrapper): why it fails
-# gradient_dropping(average_every=k) needs train_step's deferral flag, which MultiSteps,
-# a plain GradientTransformation, does not pass on: it raises and names periodic_average.
-REFUSED = {("gradient_dropping_average", "multisteps"): "periodic_average"}
 
 
 def _wrapper_matrix() -> list[Any]:
-    """Every case with every wrapper; the loop alternates (train_step where no hand loop)."""
+    """Every case with every wrapper; the loop alternates."""
     out = []
     for i, name in enumerate(NAMES):
         for j, wrapper in enumerate(WRAPPERS):
-            loop = LOOPS[(i + j) % 2] if CASES[name].hand_loop else "train_step"
+            loop = LOOPS[(i + j) % 2]
             reason = WRAPPER_XFAILS.get((name, wrapper))
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
             out.append(pytest.param(name, wrapper, loop, marks=marks))
@@ -705,10 +674,6 @@ def test_wrappers(name, wrapper, loop):
     tx = _wrapped(name, wrapper)
     rows = _params_rows(name, N)
     params = _place(name, mesh, rows)
-    if (name, wrapper) in REFUSED:
-        with pytest.raises(ValueError, match=REFUSED[name, wrapper]):
-            parallel.init_state(tx, params, mesh, params_per_device=case.per_device)
-        return
     state = parallel.init_state(tx, params, mesh, params_per_device=case.per_device)
     hand_traces: list[int] = []
     plain = _plain_update(tx, name)
@@ -775,9 +740,7 @@ def test_wrappers(name, wrapper, loop):
                 jax.tree.leaves(rows_of(moved)), jax.tree.leaves(rows_of(still)), strict=True
             )
         )
-        if name == "gradient_dropping_average":  # no step, but the step-2 average, exact
-            _assert_rows_equal(rows_of(still))
-        elif case.before:  # SGD last: a zero learning rate leaves the params
+        if case.before:  # SGD last: a zero learning rate leaves the params
             jax.tree.map(np.testing.assert_array_equal, rows_of(still), rows_of(params))
     assert len(traces) == 1
 

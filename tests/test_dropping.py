@@ -81,7 +81,7 @@ def test_warmup_follows_the_formula(t):
 
 
 def test_averaging_makes_devices_bit_identical_and_they_drift_between():
-    """Under parallel.train_step the params are the exact mean after steps k, 2k, ..."""
+    """Under parallel.train_step(sync=...) the params are the exact mean after steps k, 2k."""
     n, k = 4, 3
     mesh = mesh_of(n)
     rng = np.random.default_rng(1)
@@ -97,18 +97,21 @@ def test_averaging_makes_devices_bit_identical_and_they_drift_between():
     def loss(p, b):
         return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
 
-    for tx in (
-        optax.chain(
-            gradcomm.gradient_dropping(
-                "data", drop_ratio=0.8, local="compensated", average_every=k, warmup_steps=0
+    for tx, sync in (
+        (
+            optax.chain(
+                gradcomm.gradient_dropping(
+                    "data", drop_ratio=0.8, local="compensated", warmup_steps=0
+                ),
+                optax.adam(1e-2),
             ),
-            optax.adam(1e-2),
+            gradcomm.periodic_average("data", every=k),
         ),
-        optax.chain(optax.sgd(0.1), gradcomm.local_sgd("data", every=k)),
+        (optax.sgd(0.1), gradcomm.local_sgd("data", every=k)),
     ):
         copies = parallel.per_device(params, mesh)
-        state = parallel.init_state(tx, copies, mesh, params_per_device=True)
-        step = parallel.train_step(loss, tx, mesh, params_per_device=True)
+        state = parallel.init_state(tx, copies, mesh, params_per_device=True, sync=sync)
+        step = parallel.train_step(loss, tx, mesh, params_per_device=True, sync=sync)
         for t in range(1, 2 * k + 1):
             copies, state, _ = step(copies, state, batches[t - 1])
             w = np.asarray(copies["w"])
@@ -116,29 +119,11 @@ def test_averaging_makes_devices_bit_identical_and_they_drift_between():
             assert identical == (t % k == 0), t
 
 
-def test_local_sgd_in_a_plain_loop_averages_through_its_update():
-    tx = gradcomm.local_sgd("data", every=2)
-    params = jnp.asarray(np.random.default_rng(2).standard_normal((3, 5)).astype(np.float32))
-    updates = jnp.ones((3, 5))
-
-    def step(u, p, count):
-        state = tx.init(p)._replace(count=count)
-        return p + tx.update(u, state, p)[0]
-
-    run = jax.jit(jax.vmap(step, in_axes=(0, 0, None), axis_name="data"))
-    first = run(updates, params, jnp.int32(0))  # step 1: local only
-    np.testing.assert_allclose(first, params + 1, rtol=1e-6)
-    second = run(updates, params, jnp.int32(1))  # step 2: averaged
-    # The mean up to one rounding of p + (mean - p): exact bits need parallel.train_step.
-    np.testing.assert_allclose(second, np.broadcast_to((params + 1).mean(0), (3, 5)), atol=1e-6)
-
-
 def test_arguments_and_params_are_checked():
     for kwargs, match in [
         ({"drop_ratio": 1.0}, "drop_ratio"),
         ({"drop_ratio": -0.1}, "drop_ratio"),
         ({"local": "both"}, "local"),
-        ({"average_every": 0}, "average_every"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"selector": "heap"}, "selector"),
     ]:
@@ -146,15 +131,8 @@ def test_arguments_and_params_are_checked():
             gradcomm.gradient_dropping("data", **kwargs)
     with pytest.raises(ValueError, match="every"):
         gradcomm.local_sgd("data", every=0)
-    g = jnp.ones((2, 3))
-    averaged = gradcomm.gradient_dropping("data", average_every=5)
-    with pytest.raises(ValueError, match="needs params"):
-        jax.vmap(lambda x: averaged.update(x, averaged.init(x)), axis_name="data")(g)
-    with pytest.raises(ValueError, match="periodic_average"):  # outside parallel.train_step
-        jax.vmap(lambda x: averaged.update(x, averaged.init(x), x), axis_name="data")(g)
-    local = gradcomm.local_sgd("data")
-    with pytest.raises(ValueError, match="needs params"):
-        jax.vmap(lambda x: local.update(x, local.init(x)), axis_name="data")(g)
+    with pytest.raises(TypeError, match="average_every"):  # now a sync: periodic_average
+        gradcomm.gradient_dropping("data", average_every=5)
 
 
 def test_wire_bytes_at_drop_ratio_099():

@@ -10,12 +10,16 @@ from jax.sharding import AxisType
 import gradcomm
 from gradcomm import parallel
 
-METHODS = {  # name: (transformation, params per device)
-    "allreduce": (lambda: optax.chain(gradcomm.allreduce("data"), optax.adam(1e-2)), False),
-    "adasum": (lambda: optax.chain(optax.adam(1e-2), gradcomm.adasum("data")), False),
-    "lags": (lambda: optax.chain(optax.adam(1e-2), gradcomm.lags("data", density=0.5)), False),
-    "sgp": (lambda: optax.chain(optax.sgd(0.1), gradcomm.sgp("data")), True),
-    "local_sgd": (lambda: optax.chain(optax.sgd(0.1), gradcomm.local_sgd("data", every=2)), True),
+METHODS = {  # name: (transformation, params per device, sync)
+    "allreduce": (lambda: optax.chain(gradcomm.allreduce("data"), optax.adam(1e-2)), False, None),
+    "adasum": (lambda: optax.chain(optax.adam(1e-2), gradcomm.adasum("data")), False, None),
+    "lags": (
+        lambda: optax.chain(optax.adam(1e-2), gradcomm.lags("data", density=0.5)),
+        False,
+        None,
+    ),
+    "sgp": (lambda: optax.chain(optax.sgd(0.1), gradcomm.sgp("data")), True, None),
+    "local_sgd": (lambda: optax.sgd(0.1), True, lambda: gradcomm.local_sgd("data", every=2)),
 }
 
 
@@ -26,12 +30,12 @@ def _loss(params, batch):
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
 @pytest.mark.parametrize("name", METHODS)
 def test_one_device_mesh(name, axis_type):
-    make, per_device = METHODS[name]
-    tx = make()
+    make, per_device, make_sync = METHODS[name]
+    tx, sync = make(), make_sync() if make_sync else None
     mesh = parallel.make_mesh({"data": 1}, devices=jax.devices()[:1], axis_types=axis_type)
     params = (parallel.per_device if per_device else parallel.replicate)(jnp.zeros(3), mesh)
-    state = parallel.init_state(tx, params, mesh, params_per_device=per_device)
-    step = parallel.train_step(_loss, tx, mesh, params_per_device=per_device)
+    state = parallel.init_state(tx, params, mesh, params_per_device=per_device, sync=sync)
+    step = parallel.train_step(_loss, tx, mesh, params_per_device=per_device, sync=sync)
     x = np.array([[1.0, 2.0, 0.5], [0.0, 1.0, -1.0]], np.float32)
     batch = {"x": x, "y": x @ np.array([1.0, -1.0, 2.0], np.float32)}
     losses = []

@@ -27,7 +27,6 @@ FACTORIES = {
     "lags": lambda: gradcomm.lags("data", density=0.5),
     "slgs": lambda: gradcomm.slgs("data", density=0.5),
     "gradient_dropping": lambda: gradcomm.gradient_dropping("data", warmup_steps=0),
-    "local_sgd": lambda: gradcomm.local_sgd("data", every=1),
     "sgp": lambda: gradcomm.sgp("data"),
     "dpsgd": lambda: gradcomm.dpsgd("data"),
 }
