@@ -86,3 +86,24 @@ def run_steps(tx, steps):
         return stack(outs), stack(residuals)
 
     return f
+
+
+def quick_start(mesh):
+    """The README's quick start on `mesh`: Adam then Adasum on a 3-parameter least squares.
+
+    Returns (params, state, step): replicated zero params, their state and the jitted
+    `parallel.train_step` of `loss(params, batch) = mean((batch["x"] @ params - batch["y"])
+    ** 2)`.
+    """
+    import jax.numpy as jnp
+    import optax
+
+    import gradcomm
+
+    tx = optax.chain(optax.adam(1e-2), gradcomm.adasum("data"))
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
+
+    params = parallel.replicate(jnp.zeros(3), mesh)
+    return params, parallel.init_state(tx, params, mesh), parallel.train_step(loss, tx, mesh)

@@ -1,5 +1,5 @@
-"""XLA:CPU collectives under async dispatch: the README's loop, blocking every step, runs
-hundreds of steps on 8 devices to the end.
+"""XLA:CPU collectives under async dispatch: the README's quick start (`helpers.quick_start`)
+in a loop that blocks every step runs hundreds of steps on 8 devices to the end.
 
 Without blocking, a few hundred steps dispatched at once can abort the whole process after
 XLA:CPU's 40 s collective rendezvous timeout, at random. So the run goes in a subprocess
@@ -7,25 +7,20 @@ with a time limit: a hang or an abort fails this test instead of the suite.
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
 
 LOOP = textwrap.dedent(
     """
-    import jax, jax.numpy as jnp, numpy as np, optax, gradcomm
+    import numpy as np
+    from helpers import quick_start
     from gradcomm import parallel
 
     mesh = parallel.make_mesh()
     assert mesh.size == 8
-    tx = optax.chain(optax.adam(1e-2), gradcomm.adasum("data"))
-
-    def loss(params, batch):
-        return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
-
-    params = parallel.replicate(jnp.zeros(3), mesh)
-    state = parallel.init_state(tx, params, mesh)
-    step = parallel.train_step(loss, tx, mesh)
+    params, state, step = quick_start(mesh)
     x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
     batch = parallel.shard_batch({"x": x, "y": x @ np.array([1.0, -2.0, 0.5], np.float32)}, mesh)
     for i in range(300):
@@ -37,7 +32,9 @@ LOOP = textwrap.dedent(
 
 
 def test_blocking_loop_runs_300_steps_on_8_devices():
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+    tests = str(pathlib.Path(__file__).parent)  # where helpers.py is
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-c", LOOP], env=env, capture_output=True, text=True, timeout=240
     )

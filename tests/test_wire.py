@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of
+from helpers import mesh_of, quick_start
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -184,15 +184,7 @@ def test_measure_a_train_step():
 def test_measure_a_train_step_from_shapes():
     # wire.measure accepts jax.ShapeDtypeStruct arguments for a TrainStep too: the state's
     # carry their shardings (per-device leaves), the params and batch are placed.
-    mesh = mesh_of(4)
-    tx = optax.chain(optax.adam(1e-2), gradcomm.adasum("data"))
-
-    def loss(p, batch):
-        return jnp.mean((batch["x"] @ p - batch["y"]) ** 2)
-
-    params = parallel.replicate(jnp.zeros(3), mesh)
-    state = parallel.init_state(tx, params, mesh)
-    step = parallel.train_step(loss, tx, mesh)
+    params, state, step = quick_start(mesh_of(4))
     batch = {"x": np.ones((8, 3), np.float32), "y": np.ones(8, np.float32)}
 
     def shapes(tree):
@@ -213,13 +205,18 @@ def test_measure_a_train_step_from_shapes():
 PARAMS = {"w": np.zeros((100, 10), np.float32), "b": np.zeros(10, np.float32)}
 
 
-def step_text(tx, per_device, n=8):
-    """The compiled HLO of one real train step of `tx` on a linear model over n devices."""
+def step_text(tx, per_device, n=8, sync=None):
+    """The compiled HLO of one real train step of `tx` (then `sync`, a `gradcomm.ParamsSync`,
+    on the params) on a linear model over n devices."""
     mesh = mesh_of(n)
     params = (parallel.per_device if per_device else parallel.replicate)(PARAMS, mesh)
-    state = parallel.init_state(tx, params, mesh, params_per_device=per_device)
+    state = parallel.init_state(tx, params, mesh, params_per_device=per_device, sync=sync)
     step = parallel.train_step(
-        lambda p, b: jnp.sum(b["x"] @ p["w"] + p["b"]), tx, mesh, params_per_device=per_device
+        lambda p, b: jnp.sum(b["x"] @ p["w"] + p["b"]),
+        tx,
+        mesh,
+        params_per_device=per_device,
+        sync=sync,
     )
     batch = {"x": np.ones((2 * n, 100), np.float32)}
     return step.lower(params, state, batch).compile().as_text()
@@ -250,18 +247,18 @@ def branches(report):
 def test_gradient_dropping_steady_skips_the_warm_up_and_average_amortizes_averaging():
     k = 4
 
-    def dropping(warmup, every):
+    def dropping(warmup):
         return optax.chain(
             gradcomm.gradient_dropping(
-                "data", drop_ratio=0.9, local="compensated", warmup_steps=warmup,
-                average_every=every,
+                "data", drop_ratio=0.9, local="compensated", warmup_steps=warmup
             ),
             optax.sgd(0.1),
-        )  # fmt: skip
+        )
 
-    text = step_text(dropping(5, k), per_device=True)
+    # The paper's periodic model averaging is a sync on the params, after the step.
+    text = step_text(dropping(5), True, sync=gradcomm.periodic_average("data", every=k))
     report, before = wire.analyze_hlo(text), unnamed(text)
-    sparse = step_report(dropping(0, None), per_device=True)  # the sparse step alone
+    sparse = step_report(dropping(0), per_device=True)  # the sparse step alone
     mean = params_mean()
     assert before.total == before.steady == before.average > sparse.total + mean
     assert report.total == before.total  # the worst case, as before: dense and averaging
@@ -286,7 +283,7 @@ def test_gradient_dropping_steady_skips_the_warm_up_and_average_amortizes_averag
 
 def test_local_sgd_through_train_step_averages_one_step_in_k():
     k = 5
-    text = step_text(optax.chain(optax.sgd(0.1), gradcomm.local_sgd(every=k)), True)
+    text = step_text(optax.sgd(0.1), True, sync=gradcomm.local_sgd(every=k))
     report = wire.analyze_hlo(text)
     alone = step_report(optax.sgd(0.1), per_device=True)  # what runs between averages
     mean = params_mean()
@@ -298,12 +295,13 @@ def test_local_sgd_through_train_step_averages_one_step_in_k():
 
 
 def test_local_sgd_outside_train_step_names_its_average_too():
+    # A hand-written loop runs the sync itself, after optax.apply_updates.
     k, n = 3, 4
-    tx = gradcomm.local_sgd("data", every=k)
+    sync = gradcomm.local_sgd("data", every=k)
 
     def f(p):
         p = p[0]
-        return tx.update(jnp.zeros_like(p), tx.init(p), p)[0][None]
+        return sync.update(p, sync.init(p))[0][None]
 
     report = compiled_report(f, n, (n, 100), out_specs=P("data"))
     assert report.total == 2 * (n - 1) / n * 400
