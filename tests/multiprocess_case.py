@@ -5,7 +5,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import _base, parallel
+from gradcomm import _collectives, parallel
 
 
 def case_inputs(n: int) -> dict[str, np.ndarray]:
@@ -49,7 +49,7 @@ def pairwise_of_case() -> tuple[np.ndarray, str]:
                 grads = jax.tree.map(lambda p: 0.01 * p, params)
                 delta, state = tx.update(grads, state, params)
                 params = jax.tree.map(jax.numpy.add, params, delta)
-            gathered = jax.tree.map(lambda p: _base.all_gather_invariant(p, axes), params)
+            gathered = jax.tree.map(lambda p: _collectives.all_gather_invariant(p, axes), params)
             results.append(gathered)
         return results
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import _base, parallel, topology, wire
+from gradcomm import _axes, _collectives, parallel, topology, wire
 from gradcomm._flat import FlatLayout
 
 SIZES = [2, 4, 8]
@@ -96,7 +96,7 @@ def special_values(n, dtype):
 
 
 def exchange_fn(distance):
-    return lambda x, names: _base.exchange(x, names, distance)
+    return lambda x, names: _collectives.exchange(x, names, distance)
 
 
 EXCHANGE_FNS = {d: exchange_fn(d) for d in (1, 2, 4)}
@@ -118,28 +118,31 @@ def test_exchange_returns_the_partners_bits_in_one_two_member_reduce_scatter(n, 
 
 def test_pair_axis_and_mode_selection(monkeypatch):
     def probe(x, names):
-        assert _base.pair_axis(names, 1) == "data2" and _base.pair_axis(names, 4) == "data0"
+        assert (
+            _collectives.pair_axis(names, 1) == "data2"
+            and _collectives.pair_axis(names, 4) == "data0"
+        )
         with pytest.raises(ValueError, match="pairs devices 8 apart"):
-            _base.pair_axis(names, 8)
+            _collectives.pair_axis(names, 8)
         with pytest.raises(ValueError, match="pairs devices 3 apart"):
-            _base.pair_axis(names, 3)
-        assert _base.use_pairwise(names, "pairwise", "t")
-        assert not _base.use_pairwise(names, "permute", "t")
+            _collectives.pair_axis(names, 3)
+        assert _axes.use_pairwise(names, "pairwise", "t")
+        assert not _axes.use_pairwise(names, "permute", "t")
         # "auto": only where gloo carries the collectives, CPU devices in several processes.
-        assert not _base.use_pairwise(names, "auto", "t")
+        assert not _axes.use_pairwise(names, "auto", "t")
         with monkeypatch.context() as m:
             m.setattr(jax, "process_count", lambda: 2)
-            assert _base.use_pairwise(names, "auto", "t")
-            m.setattr(_base, "_platform", lambda: "gpu")
-            assert not _base.use_pairwise(names, "auto", "t")
+            assert _axes.use_pairwise(names, "auto", "t")
+            m.setattr(_axes, "_platform", lambda: "gpu")
+            assert not _axes.use_pairwise(names, "auto", "t")
         return x
 
     run(probe, 8, True, np.zeros((8, 1), np.float32))
 
     def flat(x, names):
-        assert not _base.use_pairwise(names, "auto", "t")
+        assert not _axes.use_pairwise(names, "auto", "t")
         with pytest.raises(ValueError, match=r"size 2 only.*pairwise_axes"):
-            _base.use_pairwise(names, "pairwise", "t")
+            _axes.use_pairwise(names, "pairwise", "t")
         return x
 
     run(flat, 4, False, np.zeros((4, 1), np.float32))
@@ -337,7 +340,7 @@ def gossip_fn(method, steps, **kwargs):
 
     def f(z, names):
         tx = getattr(gradcomm, method)(names, **kwargs)
-        state = jax.tree.map(lambda v: _base.vary(v, names), tx.init(z))
+        state = jax.tree.map(lambda v: _axes.vary(v, names), tx.init(z))
         grads = jax.tree.map(lambda v: (0.01 * v).astype(v.dtype), z)
 
         def body(carry, _):
