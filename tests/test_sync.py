@@ -174,3 +174,22 @@ def test_a_sync_chained_as_a_transformation_says_where_it_goes(factory):
     params = jnp.zeros(3)
     with pytest.raises(ValueError, match=r"not an optax transformation.*sync=\.\.\."):
         jax.vmap(lambda p: tx.update(p, tx.init(p), p), axis_name="data")(params[None])
+
+
+@pytest.mark.parametrize("factory", [gradcomm.local_sgd, gradcomm.periodic_average])
+def test_steps_with_a_sync_trace_once(factory):
+    traces = []
+
+    def counting_loss(params, batch):
+        traces.append(1)  # runs when the step is traced, never when it runs compiled
+        return loss_fn(params, batch)
+
+    mesh, (params, batch) = mesh_of(N), problem()
+    sync, tx = factory("data", every=2), optax.sgd(0.1)
+    p = parallel.per_device(params, mesh)
+    state = parallel.init_state(tx, p, mesh, params_per_device=True, sync=sync)
+    step = parallel.train_step(counting_loss, tx, mesh, params_per_device=True, sync=sync)
+    for _ in range(4):  # averaging and plain steps alike
+        p, state, _ = step(p, state, batch)
+        jax.block_until_ready(p)
+    assert len(traces) == 1
