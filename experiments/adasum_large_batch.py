@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import argparse
 
-import _common
+import _loop
+import _methods
+import _report
+import _runtime
+import _tasks
 import jax
 import numpy as np
 import optax
@@ -28,22 +32,19 @@ from gradcomm import parallel
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--sizes", default="1,2,4,8,16,32", help="numbers of devices N")
-    parser.add_argument("--batch-size", type=int, default=4, help="examples per device per step")
-    parser.add_argument("--epochs", type=int, default=8, help="passes over the training set")
     parser.add_argument("--lr", type=float, default=0.02, help="the small-batch learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    parser.add_argument("--probe-every", type=int, default=2, help="steps between probes")
-    parser.add_argument("--seeds", default="0,1,2", help="seeds to average over")
-    _common.add_common_args(parser)
+    _runtime.add_schedule_args(parser, epochs=8, batch_size=4, probe_every=2, seeds=True)
+    _runtime.add_common_args(parser)
     args = parser.parse_args(argv)
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.devices = args.devices or max(sizes)
 
-    devices = _common.setup(args)
+    devices = _runtime.setup(args)
     if max(sizes) > len(devices):
         raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
-    task = _common.cnn_task(args)
-    main_process = _common.is_main_process()
+    task = _tasks.cnn_task(args)
+    main_process = _runtime.is_main_process()
 
     def orthogonality(params: object, batch: object) -> object:
         grads = jax.grad(lambda p: task.loss_fn(p, batch)[0])(params)
@@ -53,12 +54,12 @@ def main(argv: list[str] | None = None) -> None:
         paths = jax.tree_util.tree_flatten_with_path(tree)[0]
         return {jax.tree_util.keystr(p, simple=True, separator="/"): float(v) for p, v in paths}
 
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = _runtime.seed_list(args)
     results, rows = [], []
     for seed in seeds:
         for n in sizes:
             mesh = parallel.make_mesh(devices=devices[:n])
-            probe_fn = _common.on_devices(mesh, orthogonality)
+            probe_fn = _loop.on_devices(mesh, orthogonality)
             for name, tx in (
                 (
                     "allreduce",
@@ -69,17 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                 probe = None
                 if name == "adasum" and n == max(sizes) and seed == seeds[0]:
                     probe = lambda p, s, b, f=probe_fn: {"orthogonality": named(f(p, b))}  # noqa: E731
-                result = _common.train(
-                    _common.Method(f"{name} N={n} seed={seed}", tx),
-                    task,
-                    mesh,
-                    epochs=args.epochs,
-                    batch_per_device=args.batch_size,
-                    seed=seed,
-                    progress=main_process and not args.no_progress,
-                    probe=probe,
-                    probe_every=args.probe_every,
-                )
+                method = _methods.Method(f"{name} N={n} seed={seed}", tx)
+                result = _loop.train_as_flagged(args, method, task, mesh, seed=seed, probe=probe)
                 results.append(result)
                 rows.append((seed, n, name, result.test_accuracy, len(result.losses)))
                 if main_process:
@@ -103,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             table.append(f"| {n} | {n * args.batch_size} | {steps} | {cells[0]} | {cells[1]} |")
         table = "\n".join(table)
         probed = next(r for r in results if r.probes)
-        path = _common.write_study(
+        path = _report.write_study(
             args.out,
             "adasum_large_batch",
             vars(args),
@@ -114,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{table}\n\nwrote {path}")
 
 
-def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _common.RunResult) -> None:
+def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _loop.RunResult) -> None:
     left, right = fig.subplots(1, 2)
     for name in ("allreduce", "adasum"):
         acc = np.array([[100 * a for _, m, k, a, _ in rows if m == n and k == name] for n in sizes])

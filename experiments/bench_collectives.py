@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _common
+import _runtime
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         help="bytes per device of the in-place copy that measures the memory bandwidth "
         "(larger than the caches)",
     )
-    _common.add_common_args(parser)
+    _runtime.add_common_args(parser)
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = ["psum"] + [m for m in args.methods.split(",") if m and m != "psum"]
@@ -260,13 +260,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
     bandwidth_size = parse_size(args.bandwidth_size)
 
-    devices = _common.setup(args)
+    devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = parallel.num_shards(mesh)
     available = collectives(args.density, n)
-    main_process = _common.is_main_process()
+    main_process = _runtime.is_main_process()
     if main_process:
-        print(f"gradcomm {gradcomm.__version__}: {_common.describe(devices)}")
+        print(f"gradcomm {gradcomm.__version__}: {_runtime.describe(devices)}")
 
     from tqdm.auto import tqdm
 
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     if main_process:
         bandwidth = 2 * bandwidth_size / copy_seconds
         lines = [
-            f"Copy bandwidth: {bandwidth / 1e9:.2f} GB/s per device ({_common.describe(devices)}; "
+            f"Copy bandwidth: {bandwidth / 1e9:.2f} GB/s per device ({_runtime.describe(devices)}; "
             f"a copy of {label(bandwidth_size)} per device took {1e3 * copy_seconds:.3f} ms).",
             "",
             "| message | method | time (ms) | / psum time | / psum bytes | must move (MiB) "
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         table = "\n".join(lines)
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        config = {**vars(args), "devices": _common.describe(devices)}
+        config = {**vars(args), "devices": _runtime.describe(devices)}
         result = {
             "config": config,
             "bandwidth": {

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 
-import _common
+import _compare
+import _methods
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    _common.add_training_args(parser, methods=",".join(_common.METHODS))
+    _compare.add_training_args(parser, methods=",".join(_methods.COMPARE))
     parser.set_defaults(out="runs/compare")
-    _common.run_methods(parser.parse_args(argv), "compare")
+    _compare.run_methods(parser.parse_args(argv), "compare")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import argparse
 
-import _common
+import _loop
+import _methods
+import _report
+import _runtime
+import _tasks
 import jax
 import numpy as np
 import optax
@@ -30,21 +34,19 @@ from gradcomm import parallel
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--densities", default="0.001,0.01", help="k/d, comma-separated")
-    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (constant)")
-    parser.add_argument("--probe-every", type=int, default=5, help="steps between delta probes")
+    _runtime.add_schedule_args(parser, epochs=20, batch_size=16, probe_every=5)
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
     parser.add_argument("--bandwidth", type=float, default=1.25e8, help="bytes per second")
-    _common.add_common_args(parser)
+    _runtime.add_common_args(parser)
     args = parser.parse_args(argv)
     densities = [float(d) for d in args.densities.split(",")]
 
-    devices = _common.setup(args)
+    devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    task = _common.cnn_task(args)
-    main_process = _common.is_main_process()
+    task = _tasks.cnn_task(args)
+    main_process = _runtime.is_main_process()
 
     init = task.init(jax.random.key(args.seed))
     local_batch = task.batches(args.batch_size, args.seed, 0)[0]
@@ -54,13 +56,13 @@ def main(argv: list[str] | None = None) -> None:
         backward, sizes, num_devices=n, latency=args.latency, bandwidth=args.bandwidth
     )
 
-    def delta_probe(density: object) -> _common.Probe:
+    def delta_probe(density: object) -> _loop.Probe:
         def deltas(params: object, batch: object, residual: object) -> object:
             grads = jax.grad(lambda p: task.loss_fn(p, batch)[0])(params)
             acc = jax.tree.map(lambda r, g: r - args.lr * g, residual, grads)
             return gradcomm.lags_delta(acc, density, "data")
 
-        run = _common.on_devices(mesh, deltas)
+        run = _loop.on_devices(mesh, deltas)
         return lambda p, s, b: {"delta": _named(run(p, b, s[1].residual))}
 
     runs = [("dense", optax.chain(gradcomm.allreduce("data"), optax.sgd(args.lr)), None)]
@@ -77,17 +79,8 @@ def main(argv: list[str] | None = None) -> None:
 
     results = []
     for name, tx, density in runs:
-        result = _common.train(
-            _common.Method(name, tx),
-            task,
-            mesh,
-            epochs=args.epochs,
-            batch_per_device=args.batch_size,
-            seed=args.seed,
-            progress=main_process and not args.no_progress,
-            probe=delta_probe(density) if density is not None else None,
-            probe_every=args.probe_every,
-        )
+        probe = delta_probe(density) if density is not None else None
+        result = _loop.train_as_flagged(args, _methods.Method(name, tx), task, mesh, probe=probe)
         results.append(result)
         if main_process:
             worst = max((max(v.values()) for v in result.probes.get("delta", [])), default=None)
@@ -114,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         table.append(plan.table())
         table = "\n".join(table)
         probed = [r for r in results if r.probes.get("delta")]
-        path = _common.write_study(
+        path = _report.write_study(
             args.out,
             "lags_sparsity",
             vars(args),

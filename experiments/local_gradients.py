@@ -21,7 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import _common
+import _loop
+import _methods
+import _report
+import _runtime
+import _tasks
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -92,39 +96,26 @@ TASKS = {"max": neighbour_max, "reverse": reverse}
 
 def sequence_task(
     model: nn.Module, target: str, vocab: int, length: int, train: int, test: int, seed: int
-) -> _common.Task:
+) -> _tasks.Task:
     """Map random token sequences to `TASKS[target]` of them; held-out token accuracy."""
     rng = np.random.default_rng(seed)
     x_train = rng.integers(0, vocab, (train, length)).astype(np.int32)
     x_test = rng.integers(0, vocab, (test, length)).astype(np.int32)
     y_train = TASKS[target](x_train, vocab).astype(np.int32)
     y_test = TASKS[target](x_test, vocab).astype(np.int32)
+    name = f"{target}: {length} tokens of {vocab}"
+    return _tasks.supervised_task(name, model, x_train, y_train, x_test, y_test)
 
-    def loss_fn(params: object, batch: dict) -> tuple[jax.Array, dict]:
-        logits = model.apply({"params": params}, batch["x"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
 
-    def batches(global_batch: int, seed: int, epoch: int) -> list[dict]:
-        order = np.random.default_rng([seed, epoch]).permutation(train)
-        count = train // global_batch
-        return [
-            {"x": x_train[idx], "y": y_train[idx]}
-            for idx in np.split(order[: count * global_batch], count)
-        ]
-
-    apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
-
-    def evaluate(params: object) -> float:
-        return float(np.mean(np.argmax(np.asarray(apply(params, x_test)), -1) == y_test))
-
-    return _common.Task(
-        name=f"{target}: {length} tokens of {vocab}",
-        init=lambda key: model.init(key, x_train[:1])["params"],
-        loss_fn=loss_fn,
-        batches=batches,
-        evaluate=evaluate,
-    )
+def configured(method: str, args: argparse.Namespace) -> _methods.Spec:
+    """The registry's `method` with the study's flags: the drop ratio and its warm-up for
+    gradient dropping, and the periods of parameter and federated averaging."""
+    spec = _methods.METHODS[method]
+    if spec.method == "gradient_dropping":
+        spec = spec.configured(drop_ratio=args.drop_ratio, warmup_steps=args.warmup_steps)
+    if spec.method == "local_sgd":
+        return spec.configured(every=args.local_every)
+    return spec.configured(sync_every=args.average_every) if spec.sync else spec
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,13 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="transformer,lstm", help="transformer and/or lstm")
     parser.add_argument("--task", default="max", choices=sorted(TASKS), help="target")
     parser.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}"
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, from {', '.join(_methods.METHODS)}",
     )
     parser.add_argument("--vocab", type=int, default=16, help="tokens in the vocabulary")
     parser.add_argument("--length", type=int, default=12, help="tokens per sequence")
     parser.add_argument("--train-size", type=int, default=16384, help="training sequences")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per device per step")
+    _runtime.add_schedule_args(parser, epochs=3, batch_size=16, seeds=True)
     parser.add_argument("--lr", type=float, default=1e-2, help="peak Adam learning rate")
     parser.add_argument("--drop-ratio", type=float, default=0.99, help="gradient dropping")
     parser.add_argument("--warmup-steps", type=int, default=100, help="drop-ratio warm-up")
@@ -148,23 +140,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--target", type=float, default=0.9, help="token accuracy for the steps-to-target column"
     )
-    parser.add_argument("--seeds", default="0,1,2", help="seeds to average over")
-    _common.add_common_args(parser, data=False, seed=False)
+    _runtime.add_common_args(parser, data=False, seed=False)
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     if set(models) - {"transformer", "lstm"}:
         raise SystemExit(f"unknown model(s) in {models}: choose transformer, lstm")
-    methods = [m for m in args.methods.split(",") if m]
-    if not methods or set(methods) - set(METHODS):
-        raise SystemExit(f"--methods {args.methods!r}: choose from {', '.join(METHODS)}")
+    methods = _methods.parse(args.methods)
 
-    devices = _common.setup(args)
+    devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    main_process = _common.is_main_process()
+    main_process = _runtime.is_main_process()
     steps = args.epochs * (args.train_size // (n * args.batch_size))
 
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = _runtime.seed_list(args)
     results, rows = [], []
     for seed in seeds:
         for model_name in models:
@@ -178,30 +167,15 @@ def main(argv: list[str] | None = None) -> None:
             )
             for method in methods:
                 schedule = optax.warmup_cosine_decay_schedule(0, args.lr, steps // 10, steps)
-                spec = _common.make_method(
-                    method,
-                    optax.adam(schedule),
-                    drop_ratio=args.drop_ratio,
-                    warmup_steps=args.warmup_steps,
-                    average_every=args.average_every,
-                    local_every=args.local_every,
-                )
-                spec = dataclasses.replace(spec, name=f"{model_name} {method}")
-                result = _common.train(
-                    spec,
-                    task,
-                    mesh,
-                    epochs=args.epochs,
-                    batch_per_device=args.batch_size,
-                    seed=seed,
-                    progress=main_process and not args.no_progress,
-                    eval_every=args.eval_every,
-                )
+                spec = configured(method, args)
+                spec = dataclasses.replace(spec, label=f"{model_name} {method}")
+                built = _methods.build(spec, optax.adam(schedule))
+                result = _loop.train_as_flagged(args, built, task, mesh, seed=seed)
                 results.append(result)
                 rows.append((model_name, method, seed, result))
                 if main_process:
                     print(
-                        f"seed {seed} {spec.name:>28}: token accuracy "
+                        f"seed {seed} {spec.label:>28}: token accuracy "
                         f"{100 * result.test_accuracy:.2f}%"
                     )
 
@@ -210,13 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         table = "\n\n".join(
             [summary_table(models, methods, rows, args.target, steps, len(seeds))]
             + [
-                _common.results_table(
+                _report.results_table(
                     [r for name, _, r in first if name == model_name], f"{model_name} allreduce"
                 )
                 for model_name in models
             ]
         )
-        path = _common.write_study(
+        path = _report.write_study(
             args.out,
             "local_gradients",
             vars(args),
@@ -227,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{table}\n\nwrote {path}")
 
 
-def steps_to(result: _common.RunResult, target: float) -> int | None:
+def steps_to(result: _loop.RunResult, target: float) -> int | None:
     """The first tested step at which token accuracy reached `target` (None: never)."""
     curve = zip(result.eval_steps, result.eval_accuracy, strict=True)
     return next((step for step, accuracy in curve if accuracy >= target), None)

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import argparse
 
-import _common
+import _loop
+import _methods
+import _report
+import _runtime
+import _tasks
 import numpy as np
 import optax
 from jax import lax
@@ -42,19 +46,16 @@ def schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--epochs", type=int, default=30, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
-    parser.add_argument("--seeds", default="0,1,2", help="seeds to average over")
-    parser.add_argument("--probe-every", type=int, default=5, help="steps between deviation probes")
-    _common.add_common_args(parser)
+    _runtime.add_schedule_args(parser, epochs=30, batch_size=16, probe_every=5, seeds=True)
+    _runtime.add_common_args(parser)
     args = parser.parse_args(argv)
 
-    devices = _common.setup(args)
+    devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    task = _common.cnn_task(args)
-    main_process = _common.is_main_process()
+    task = _tasks.cnn_task(args)
+    main_process = _runtime.is_main_process()
     epoch = len(task.batches(n * args.batch_size, args.seed, 0))
     steps = args.epochs * epoch
     lr = schedule(args.lr, steps, warmup=2 * epoch)
@@ -64,43 +65,33 @@ def main(argv: list[str] | None = None) -> None:
 
     hybrid_steps = steps // 4
 
-    def gossip(name: str, **kwargs: object) -> _common.Method:
-        return _common.Method(name, optax.chain(inner(), gradcomm.sgp("data", **kwargs)), True)
+    def gossip(name: str, **kwargs: object) -> _methods.Method:
+        return _methods.Method(name, optax.chain(inner(), gradcomm.sgp("data", **kwargs)), True)
 
     runs = [
-        _common.Method("allreduce", optax.chain(gradcomm.allreduce("data"), inner())),
+        _methods.Method("allreduce", optax.chain(gradcomm.allreduce("data"), inner())),
         gossip("sgp"),
         gossip("sgp 2-peer", topology="exponential-2peer"),
-        _common.Method("d-psgd", optax.chain(inner(), gradcomm.dpsgd("data")), True),
+        _methods.Method("d-psgd", optax.chain(inner(), gradcomm.dpsgd("data")), True),
         gossip("1-osgp", overlap=1),
         gossip("biased 1-osgp", overlap=1, biased=True),
         # Bytes per step are those after the switch, when it gossips (wire's average).
         gossip(f"allreduce {hybrid_steps} steps, then sgp", allreduce_steps=hybrid_steps),
     ]
-    deviation = _common.on_devices(
+    deviation = _loop.on_devices(
         mesh,
         lambda p, b: lax.pmean(gradcomm.consensus_distance(p, "data"), "data"),
         per_device_params=True,
     )
 
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = _runtime.seed_list(args)
     results = []
     for seed in seeds:
         for method in runs:
             probe = None
             if method.per_device and seed == seeds[0]:
                 probe = lambda p, s, b: {"deviation": float(deviation(p, b))}  # noqa: E731
-            result = _common.train(
-                method,
-                task,
-                mesh,
-                epochs=args.epochs,
-                batch_per_device=args.batch_size,
-                seed=seed,
-                progress=main_process and not args.no_progress,
-                probe=probe,
-                probe_every=args.probe_every,
-            )
+            result = _loop.train_as_flagged(args, method, task, mesh, seed=seed, probe=probe)
             results.append(result)
             if main_process:
                 print(
@@ -110,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if main_process:
         table = _table([m.name for m in runs], results, len(seeds), 3 * steps // 4)
-        path = _common.write_study(
+        path = _report.write_study(
             args.out,
             "sgp_gossip",
             vars(args),

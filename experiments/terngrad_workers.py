@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import argparse
 
-import _common
+import _loop
+import _methods
+import _report
+import _runtime
+import _tasks
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,17 +48,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--total-batch", type=int, default=128, help="examples per step, all devices"
     )
-    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
-    _common.add_common_args(parser)
+    _runtime.add_schedule_args(parser, epochs=20)
+    _runtime.add_common_args(parser)
     args = parser.parse_args(argv)
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.devices = args.devices or max(sizes)
     if any(args.total_batch % n for n in sizes):
         raise SystemExit(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
 
-    devices = _common.setup(args)
-    task = _common.cnn_task(args)
-    main_process = _common.is_main_process()
+    devices = _runtime.setup(args)
+    task = _tasks.cnn_task(args)
+    main_process = _runtime.is_main_process()
 
     results, rows = [], []
     for n in sizes:
@@ -62,14 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         for opt_name, lr in OPTIMIZERS.items():
             opt = optax.sgd(lr, momentum=0.9 if opt_name == "momentum" else None)
             for variant in VARIANTS:
-                result = _common.train(
-                    _common.Method(f"{variant} {opt_name} N={n}", transformation(variant, opt)),
-                    task,
-                    mesh,
-                    epochs=args.epochs,
-                    batch_per_device=args.total_batch // n,
-                    seed=args.seed,
-                    progress=main_process and not args.no_progress,
+                tx = transformation(variant, opt)
+                method = _methods.Method(f"{variant} {opt_name} N={n}", tx)
+                result = _loop.train_as_flagged(
+                    args, method, task, mesh, batch_per_device=args.total_batch // n
                 )
                 results.append(result)
                 rows.append((n, opt_name, variant, result.test_accuracy))
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             cells = " | ".join(f"{100 * acc[o, v]:.2f}%" for o in OPTIMIZERS for v in VARIANTS)
             table.append(f"| {n} | {args.total_batch // n} | {cells} |")
         table = "\n".join(table)
-        path = _common.write_study(
+        path = _report.write_study(
             args.out,
             "terngrad_workers",
             vars(args),
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{table}\n\nwrote {path}")
 
 
-def layer_histogram(task: _common.Task, devices: list, args: argparse.Namespace) -> dict:
+def layer_histogram(task: _tasks.Task, devices: list, args: argparse.Namespace) -> dict:
     """Fig. 2: one layer's gradient on device 0 before and after clipping, ternarized, averaged.
 
     Taken after two epochs of float training with momentum SGD, on all the devices.
@@ -123,10 +123,10 @@ def layer_histogram(task: _common.Task, devices: list, args: argparse.Namespace)
             "averaged": mean,
         }
 
-    snapshot = _common.on_devices(mesh, views)
+    snapshot = _loop.on_devices(mesh, views)
     epoch = len(task.batches(args.total_batch, args.seed, 0))
-    run = _common.train(
-        _common.Method("float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))),
+    run = _loop.train(
+        _methods.Method("float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))),
         task,
         mesh,
         epochs=3,

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 
-import _common
+import _compare
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    _common.add_training_args(parser, methods="allreduce")
-    _common.run_methods(parser.parse_args(argv), "train")
+    _compare.add_training_args(parser, methods="allreduce")
+    _compare.run_methods(parser.parse_args(argv), "train")
 
 
 if __name__ == "__main__":

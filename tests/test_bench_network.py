@@ -19,7 +19,10 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
 
+import _methods  # noqa: E402
 import _netcluster as netcluster  # noqa: E402
+import _netreport  # noqa: E402
+import _networker  # noqa: E402
 import bench_network  # noqa: E402
 
 SCRIPT = ROOT / "experiments" / "bench_network.py"
@@ -82,20 +85,35 @@ def test_rates_and_model_sizes():
     assert netcluster.parse_rate("unshaped") is None
     with pytest.raises(ValueError, match="bad rate"):
         netcluster.parse_rate("fast")
-    widths = bench_network.mlp_widths(4e6)
+    widths = _networker.mlp_widths(4e6)
     count = sum(a * b + b for a, b in itertools.pairwise(widths))
     assert abs(count - 4e6) / 4e6 < 0.002
 
 
 def test_cycles_cover_every_period():
-    by = bench_network.BY_LABEL
-    assert bench_network.cycle(by["allreduce"], 4) == 1
-    assert bench_network.cycle(by["local-sgd"], 4) == 20
-    assert bench_network.cycle(by["dropping-local"], 2) == 50
-    assert bench_network.cycle(by["sgp"], 2) == 1
-    assert bench_network.cycle(by["sgp"], 4) == 2
-    assert bench_network.cycle(by["osgp"], 8) == 3
-    assert bench_network.cycle(by["dpsgd"], 4) == 2
+    by = {label: _networker.spec_of(label) for label in _methods.NETWORK}
+    assert _networker.cycle(by["allreduce"], 4) == 1
+    assert _networker.cycle(by["local-sgd"], 4) == 20
+    assert _networker.cycle(by["dropping-local"], 2) == 50
+    assert _networker.cycle(by["sgp"], 2) == 1
+    assert _networker.cycle(by["sgp"], 4) == 2
+    assert _networker.cycle(by["osgp"], 8) == 3
+    assert _networker.cycle(by["dpsgd"], 4) == 2
+
+
+def test_records_name_methods_as_the_registry_does():
+    # The rows are the registry's, timed in the steady state (no drop-ratio warm-up); a
+    # record carries the registry's method, options and sync, which the model reads.
+    assert bench_network.parse_args([]).labels == list(_methods.NETWORK)
+    assert _networker.spec_of("dropping").options == {"warmup_steps": 0}
+    result = {"runs": [1.0, 2.0], "bytes": 10.0, "cycle": 50, "params": 100}
+    cell = {"allreduce": result, "dropping-local": result}
+    records = _netreport.records_of(cell, 2, "100mbit", [95.0], False, {})
+    local = next(r for r in records if r["label"] == "dropping-local")
+    assert local["method"] == "gradient_dropping"
+    assert local["options"] == {"local": "compensated", "warmup_steps": 0}
+    assert local["sync"] == {"name": "periodic_average", "every": 50}
+    assert local["ratio_vs_allreduce"] == 1.0 and local["timing"] == "cycle-mean"
 
 
 @needs_root
@@ -156,16 +174,14 @@ def test_ctrl_c_cleans_up(tmp_path):
 def test_tiny_run_writes_records(tmp_path):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit,unshaped",
-         "--methods", "allreduce,lags-0.01,local-sgd", "--params", "2e4", "--steps", "3",
+         "--methods", "allreduce,lags,local-sgd", "--params", "2e4", "--steps", "3",
          "--runs", "2", "--out", str(tmp_path), "--quiet"],
         capture_output=True, text=True, timeout=600, env=env(), check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((tmp_path / "network.json").read_text())
     assert {(r["label"], r["rate"]) for r in records} == {
-        (m, rate)
-        for m in ("allreduce", "lags-0.01", "local-sgd")
-        for rate in ("100mbit", "unshaped")
+        (m, rate) for m in ("allreduce", "lags", "local-sgd") for rate in ("100mbit", "unshaped")
     }
     keys = {"method", "options", "nodes", "rate", "step_s", "ratio_vs_allreduce",
             "bytes_per_step", "link_mbit_measured"}  # fmt: skip
@@ -176,7 +192,7 @@ def test_tiny_run_writes_records(tmp_path):
             assert r["ratio_vs_allreduce"] == 1.0
         if r["rate"] == "100mbit":
             assert abs(r["link_mbit_measured"] - 100) <= 10
-    lags = next(r for r in records if r["label"] == "lags-0.01")
+    lags = next(r for r in records if r["label"] == "lags")
     assert lags["method"] == "lags" and lags["options"] == {"density": 0.01}
     local = next(r for r in records if r["label"] == "local-sgd")
     assert local["timing"] == "cycle-mean" and local["cycle"] == 20

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "experiments"))
-import _common
+import _data
 
 
 def write_idx(path: pathlib.Path, array: np.ndarray, *, compress: bool) -> None:
@@ -40,7 +40,7 @@ def test_mnist_idx_files(tmp_path, compress):
     for name, array in arrays.items():
         write_idx(tmp_path / "mnist" / name, array, compress=compress)
 
-    data = _common.load_dataset("mnist", str(tmp_path))
+    data = _data.load_dataset("mnist", str(tmp_path))
 
     assert data.x_train.shape == (6, 28, 28, 1) and data.x_train.dtype == np.float32
     np.testing.assert_array_equal(
@@ -63,7 +63,7 @@ def test_cifar10_python_batches(tmp_path):
         with open(root / name, "wb") as f:
             pickle.dump({b"data": pixels, b"labels": labels}, f)
 
-    data = _common.load_dataset("cifar10", str(tmp_path))
+    data = _data.load_dataset("cifar10", str(tmp_path))
 
     assert data.x_train.shape == (10, 32, 32, 3) and data.x_test.shape == (2, 32, 32, 3)
     pixels, labels = written["test_batch"]
@@ -78,17 +78,17 @@ def test_cifar10_python_batches(tmp_path):
 
 def test_missing_files_and_unknown_datasets_fail_clearly(tmp_path):
     with pytest.raises(SystemExit, match="train-images-idx3-ubyte"):
-        _common.load_dataset("mnist", str(tmp_path))
+        _data.load_dataset("mnist", str(tmp_path))
     with pytest.raises(SystemExit, match="CIFAR-10 python batches"):
-        _common.load_dataset("cifar10", str(tmp_path))
+        _data.load_dataset("cifar10", str(tmp_path))
     with pytest.raises(SystemExit, match="needs --data-dir"):
-        _common.load_dataset("mnist", None)
+        _data.load_dataset("mnist", None)
     with pytest.raises(SystemExit, match="unknown dataset"):
-        _common.load_dataset("imagenet", str(tmp_path))
+        _data.load_dataset("imagenet", str(tmp_path))
 
 
 def test_digits_is_the_default_and_stratified():
-    data = _common.load_dataset("digits", None, seed=0)
+    data = _data.load_dataset("digits", None, seed=0)
     assert (
         data.x_train.shape[1:] == (8, 8, 1) and 0 <= data.x_train.min() <= data.x_train.max() <= 1
     )

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+import _methods  # noqa: E402
+
 SCRIPTS = sorted(p.name for p in (ROOT / "experiments").glob("[!_]*.py"))
 # Each study at its smallest: the script runs end to end and writes JSON, PNG and Markdown.
 STUDIES = {
@@ -63,8 +66,29 @@ def test_help(script):
     assert ("--devices" in result.stdout) != (script == "bench_network.py")
 
 
+def test_one_registry_builds_and_models_every_method():
+    # compare.py, the network benchmark and the step-time model read one registry: each
+    # method builds (a sync exactly where it averages params) and the model takes its row.
+    import optax
+
+    from gradcomm import perfmodel
+
+    for label, spec in _methods.METHODS.items():
+        method = _methods.build(spec, optax.sgd(0.1))
+        assert method.name == label and method.per_device == spec.per_device
+        assert (method.sync is not None) == (spec.every is not None)
+        assert method.sync is None or method.per_device
+        row = spec.describe()
+        assert json.loads(json.dumps(row)) == row  # what network.json records carry
+        perfmodel.predict(row["method"], 1000, 4, 1.0, options=row["options"], sync=row["sync"])
+    assert set(_methods.COMPARE) <= set(_methods.METHODS)
+    assert _methods.METHODS["local-sgd"].every == 20
+    assert _methods.METHODS["dropping-local"].every == 50
+
+
 def test_every_study_is_listed():
-    others = {"train.py", "compare.py", "bench_collectives.py", "bench_network.py"}
+    benches = {"bench_collectives.py", "bench_network.py", "bench_scaling.py"}
+    others = {"train.py", "compare.py", *benches}
     assert set(STUDIES) | others == set(SCRIPTS)
 
 

@@ -19,10 +19,15 @@ from gradcomm import topology
 from gradcomm.perfmodel._model import _phases, _values_per_word
 
 ROOT = pathlib.Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+import _methods  # noqa: E402  (the registry that hands the model its rows)
+
+ROWS = _methods.rows()  # the network benchmark's methods, one device per host
 P = 4_194_304  # the network benchmark's MLP
 S = 4 * P  # 16 MiB
 LINK = 0.0958  # Gbit/s: the shaped 100 Mbit link as measured
 ONE_WAY = 8 * S / (LINK * 1e9)  # 1.40 s
+AVERAGE_50 = {"name": "periodic_average", "every": 50}  # dropping-local's sync
 
 
 def test_docstring_examples_run():
@@ -151,9 +156,9 @@ def test_sparse_bytes_match_the_readme(n):
     assert psum / lags.wire_bytes == pytest.approx(1000 / n)
     # Gradient dropping at 99%: 100 / N (25x at 4, 12.5x at 8).
     assert psum / pm.predict("gradient_dropping", d, n, 1.0).wire_bytes == pytest.approx(100 / n)
-    # With local gradients averaged every 50 steps: the dense psum / 50 on top.
+    # With local gradients averaged every 50 steps (a sync): the dense psum / 50 on top.
     local = pm.predict(
-        "gradient_dropping", d, n, 1.0, options={"local": "compensated", "average_every": 50}
+        "gradient_dropping", d, n, 1.0, options={"local": "compensated"}, sync=AVERAGE_50
     )
     assert local.wire_bytes == pytest.approx(psum * n / 100 + psum / 50)
 
@@ -195,6 +200,19 @@ def test_local_sgd_and_amortizing():
     every = pm.predict("local_sgd", P, 4, 1.0, options={"every": 20})
     assert every.wire_bytes == pytest.approx(pm.predict("allreduce", P, 4, 1.0).wire_bytes / 20)
     assert pm.predict("local_sgd", P, 4, 1.0, amortize=False).comm_s == 0.0
+    # A sync beside a method is the same all-reduce every k steps, whichever factory.
+    for name in ("periodic_average", "local_sgd"):
+        sync = {"name": name, "every": 20}
+        beside = pm.predict("lags", P, 4, 1.0, sync=sync).wire_bytes
+        assert beside == pytest.approx(pm.predict("lags", P, 4, 1.0).wire_bytes + every.wire_bytes)
+    assert pm.predict("lags", P, 4, 1.0, sync=AVERAGE_50, amortize=False).comm_s == pytest.approx(
+        pm.predict("lags", P, 4, 1.0).comm_s
+    )
+    with pytest.raises(ValueError, match="unknown sync"):
+        pm.pattern("lags", 10, 2, sync={"name": "gossip"})
+    # The option it replaced is refused, not ignored: a record would be misread.
+    with pytest.raises(ValueError, match="periodic_average"):
+        pm.pattern("gradient_dropping", 10, 2, options={"average_every": 50})
     with pytest.raises(ValueError, match="unknown method"):
         pm.pattern("psum", 10, 2)
     with pytest.raises(ValueError, match="unknown topology"):
@@ -238,10 +256,10 @@ def test_crossover_by_hand():
 
 
 def test_crossover_table():
-    table = pm.crossover_table(25_000_000, 16, 0.2)
+    table = pm.crossover_table(25_000_000, 16, 0.2, methods=ROWS)
     lines = table.strip().splitlines()
     assert lines[0] == "| method | beats allreduce below | 1 Gbit/s | 10 Gbit/s | 100 Gbit/s |"
-    assert len(lines) == 2 + len(pm.METHODS)
+    assert len(lines) == 2 + len(ROWS)
     assert "| allreduce | - | 1.00x | 1.00x | 1.00x |" in lines
     assert any(line.startswith("| adasum | no crossover |") for line in lines)
 
@@ -255,30 +273,30 @@ TRUTH = pm.Calibration(
         pm.key("lags", {"density": 0.01}): 0.05 / S,
         pm.key("terngrad"): 0.07 / S,
         pm.key("sgp"): 0.01 / S,
-        pm.key("local_sgd"): 0.02 / S,
+        pm.key("local_sgd", {"every": 20}): 0.02 / S,
     },
     unshaped_gbps={2: 8.0, 4: 2.5},
     params=P,
 )
 
 
-def simulate(truth, nodes=(2, 4), rates=(None, 100.0, 1000.0), methods=pm.METHODS):
+def simulate(truth, nodes=(2, 4), rates=(None, 100.0, 1000.0), methods=ROWS):
     """network.json records as the model would measure them."""
     out = []
     for n in nodes:
         for rate in rates:
             gbps = truth.unshaped_gbps[n] if rate is None else rate / 1000
-            steps = {
-                label: pm.predict(m, P, n, gbps, options=o, **truth.settings(m, o, n)).step_s
-                for label, m, o in methods
-            }
-            for label, m, o in methods:
-                periodic = m in ("local_sgd", "sgp", "dpsgd") or "average_every" in o
+            steps = {}
+            for row in methods:
+                m, o, sync = row["method"], row["options"], row["sync"]
+                kw = truth.settings(m, o, n, sync=sync)
+                steps[row["label"]] = pm.predict(m, P, n, gbps, options=o, sync=sync, **kw).step_s
+            for row in methods:
+                label, m = row["label"], row["method"]
+                periodic = m in ("local_sgd", "sgp", "dpsgd") or row["sync"] is not None
                 out.append(
                     {
-                        "method": m,
-                        "options": dict(o),
-                        "label": label,
+                        **row,
                         "nodes": n,
                         "devices_per_process": 1,
                         "rate": "unshaped" if rate is None else f"{rate:g}mbit",
@@ -401,25 +419,24 @@ def test_fit_tolerances():
 # The pattern table and the step times measured with gloo on this machine's shaped links
 # (4M-parameter MLP, Adam; ratios to allreduce in the same run, and allreduce's step).
 MEASURED = {
-    (2, 100.0, 1.51): {"lags-0.01": 0.08, "lags-0.001": 0.03, "terngrad": 0.13, "sgp": 1.93,
+    (2, 100.0, 1.51): {"lags": 0.08, "lags-0.001": 0.03, "terngrad": 0.13, "sgp": 1.93,
                        "adasum": 1.66},
-    (4, 100.0, 2.43): {"lags-0.01": 0.11, "lags-0.001": 0.04, "terngrad": 0.17, "sgp": 0.98,
+    (4, 100.0, 2.43): {"lags": 0.11, "lags-0.001": 0.04, "terngrad": 0.17, "sgp": 0.98,
                        "adasum": 1.44},
-    (2, None, 0.063): {"lags-0.01": 1.74, "lags-0.001": 0.82, "terngrad": 2.10},
+    (2, None, 0.063): {"lags": 1.74, "lags-0.001": 0.82, "terngrad": 2.10},
     (4, None, 0.158): {},
 }  # fmt: skip
 
 
 def test_bandwidth_bound_cells_measured_here():
-    methods = {label: (m, o) for label, m, o in pm.METHODS}
     records = []
     for (n, rate, ar), ratios in MEASURED.items():
         cell = {"nodes": n, "rate": f"{rate}", "rate_mbit": rate, "link_mbit_measured": 95.8}
         cell |= {"params": P, "param_bytes": S, "allreduce_step_s": ar}
         records.append(cell | {"method": "allreduce", "label": "allreduce", "step_s": ar})
         for label, x in ratios.items():
-            m, o = methods[label]
-            records.append(cell | {"method": m, "options": o, "label": label, "step_s": x * ar})
+            row = _methods.METHODS[label].describe()
+            records.append(cell | row | {"step_s": x * ar})
     rows = pm.fit_report(records, pm.calibrate(records))
     bound = {(r.label, r.nodes): r for r in rows if r.bound == "bandwidth"}
     assert set(bound) == {(m, n) for m in ("allreduce", "sgp", "adasum") for n in (2, 4)}
@@ -464,7 +481,7 @@ def test_paper_checks():
 def test_model_doc_quotes_the_papers_table():
     doc = (ROOT / "docs" / "bench" / "model.md").read_text()
     assert pm.paper_table() in doc
-    assert pm.crossover_table(25_557_032, 32, 0.281) in doc
+    assert pm.crossover_table(25_557_032, 32, 0.281, methods=ROWS) in doc
     assert "no crossover" in doc and "osgp row shows no gain" in doc
 
 
@@ -478,13 +495,30 @@ def test_cli(tmp_path, capsys):
     assert pm.main([str(path), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "## The model's fit to" in text and "osgp shows no gain" in text
-    assert "| lags-0.01 |" in text and "## The papers' figures beside the model" in text
+    assert "| lags |" in text and "## The papers' figures beside the model" in text
     report = json.loads(out.read_text())
     assert len(report["fit"]) == len(simulate(TRUTH)) and len(report["papers"]) == 11
     assert report["calibration"]["base_s"]["2x1"] == pytest.approx(0.045)
     with pytest.raises(SystemExit) as exit_:
         pm.main(["--help"])
     assert exit_.value.code == 0
+
+
+@pytest.mark.parametrize(
+    ("records", "flags"),
+    [("docs/bench/quick/network.json", []), ("docs/bench/network.json", ["--nodes", "4"])],
+)
+def test_committed_fits_come_back_from_the_committed_records(records, flags, capsys, monkeypatch):
+    # The records were migrated when gradient dropping's averaging became a sync
+    # (`average_every` in options -> `sync`); the model reads them as before: each fit.md is
+    # the CLI's output, after its command line.
+    monkeypatch.chdir(ROOT)
+    fit = pathlib.Path(records).with_name("fit.md").read_text()
+    assert pm.main([records, *flags]) == 0
+    assert capsys.readouterr().out == fit.split("\n", 2)[2]
+    assert not any(
+        "average_every" in r["options"] for r in json.loads(pathlib.Path(records).read_text())
+    )
 
 
 def test_cli_runs_as_a_module():

@@ -7,7 +7,8 @@ Each method's collectives per step (`pattern`) come from its algorithm, their by
 `gradcomm.wire`'s count, and `factor` is the backend's time against the alpha-beta ideal
 (1 on `NCCL`, measured per pattern on `GLOO`); `hidden` is what overlaps the backward pass
 or, for 1-overlap SGP, the step. `predict` gives one step's time, `crossover_bandwidth` and
-`crossover_table` the link below which each method beats allreduce, `calibrate` and
+`crossover_table` the link below which each method beats allreduce (for the rows its caller
+hands it: the model names gradcomm's factories, not a study's methods), `calibrate` and
 `fit_report` fit the model to `experiments/bench_network.py`'s records, and `paper_checks`
 sets five papers' figures beside the model's. Units: bandwidth in Gbit/s, latency and
 times in seconds, model size in parameters. `python -m gradcomm.perfmodel network.json`
@@ -24,7 +25,7 @@ Example:
 """
 
 from gradcomm.perfmodel._cli import main
-from gradcomm.perfmodel._crossover import METHODS, crossover_bandwidth, crossover_table
+from gradcomm.perfmodel._crossover import crossover_bandwidth, crossover_table
 from gradcomm.perfmodel._fit import (
     OVERLAP_NOTE,
     Calibration,
@@ -55,7 +56,6 @@ __all__ = [
     "GLOO",
     "GLOO_MEASURED",
     "GLOO_PAIRWISE",
-    "METHODS",
     "NCCL",
     "OVERLAP_NOTE",
     "Backend",

@@ -38,11 +38,10 @@ def _fit(
 
     rows = fit_report(records, cal)
     nodes = nodes or max(r["nodes"] for r in records)
-    methods = {"allreduce": ("allreduce", "allreduce", {})}
-    for r in records:
+    methods: dict[str, Any] = {"allreduce": {"label": "allreduce", "method": "allreduce"}}
+    for r in records:  # the rows are the benchmark's methods, as its records name them
         if r.get("devices_per_process", 1) == 1:
-            k = key(r["method"], r.get("options"))
-            methods[k] = (r.get("label") or k, r["method"], r.get("options") or {})
+            methods[key(r["method"], r.get("options"), r.get("sync"))] = r
     compute = ", ".join(f"{n} x {d}: {v:.3f} s" for (n, d), v in sorted(cal.base_s.items()))
     link = ", ".join(f"{n}: {v:.3g} Gbit/s" for n, v in sorted(cal.unshaped_gbps.items()))
     print(f"## The model's fit to {network}\n")

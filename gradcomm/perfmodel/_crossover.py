@@ -8,23 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from gradcomm.perfmodel._fit import Calibration
+from gradcomm.perfmodel._fit import Calibration, Record, key
 from gradcomm.perfmodel._model import NCCL, Backend, predict
 
-METHODS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("allreduce", "allreduce", {}),
-    ("adasum", "adasum", {}),
-    ("terngrad", "terngrad", {}),
-    ("lags-0.01", "lags", {"density": 0.01}),
-    ("lags-0.001", "lags", {"density": 0.001}),
-    ("slgs", "slgs", {"density": 0.01}),
-    ("dropping", "gradient_dropping", {}),
-    ("dropping-local", "gradient_dropping", {"local": "compensated", "average_every": 50}),
-    ("local-sgd", "local_sgd", {}),
-    ("sgp", "sgp", {}),
-    ("osgp", "sgp", {"overlap": 1}),
-    ("dpsgd", "dpsgd", {}),
-)
+# `predict`'s keyword arguments that belong to the method, not to the machine: allreduce,
+# the baseline, runs without them.
+_OWN = ("options", "sync", "cost_per_byte")
+
+
+def _baseline(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings allreduce runs under beside a method: the machine's, not the method's."""
+    return {k: v for k, v in settings.items() if k not in _OWN}
 
 
 def crossover_bandwidth(
@@ -33,20 +27,18 @@ def crossover_bandwidth(
     nodes: int,
     latency: float = 0.0,
     *,
-    options: Mapping[str, Any] | None = None,
-    backend: Backend = NCCL,
-    compute_s: float = 0.0,
-    cost_per_byte: float = 0.0,
-    itemsize: int = 4,
     lo: float = 1e-4,
     hi: float = 1e4,
+    **settings: Any,
 ) -> float | None:
     """The link bandwidth (Gbit/s) below which `method` beats allreduce.
 
     Args:
-      method, params, nodes, latency, options, backend, compute_s, cost_per_byte,
-        itemsize: as for `predict` (allreduce gets the same, without `cost_per_byte`).
+      method, params, nodes, latency: as for `predict`.
       lo, hi: the range of links searched, in Gbit/s.
+      **settings: `predict`'s keyword arguments (options, sync, backend, compute_s,
+        cost_per_byte, itemsize); allreduce gets the same without the method's own
+        (options, sync, cost_per_byte).
 
     Returns:
       The bandwidth; `math.inf` if the method wins on every link in the range; None ("no
@@ -59,12 +51,12 @@ def crossover_bandwidth(
       >>> round(b, 2)  # below 9 Gbit/s the all-reduce's exposed time exceeds 0.1 s
       9.0
     """
-    kw: dict[str, Any] = {"backend": backend, "compute_s": compute_s, "itemsize": itemsize}
-    mine = {"options": options, "cost_per_byte": cost_per_byte, **kw}
+    base = _baseline(settings)
 
     def gap(bandwidth: float) -> float:  # negative where the method wins (ties do not)
-        t = predict(method, params, nodes, bandwidth, latency, **mine).step_s
-        return t - predict("allreduce", params, nodes, bandwidth, latency, **kw).step_s * (1 - 1e-9)
+        mine = predict(method, params, nodes, bandwidth, latency, **settings).step_s
+        theirs = predict("allreduce", params, nodes, bandwidth, latency, **base).step_s
+        return mine - theirs * (1 - 1e-9)
 
     grid = np.geomspace(lo, hi, 81)
     wins = [gap(b) < 0 for b in grid]
@@ -85,26 +77,32 @@ def crossover_table(
     nodes: int,
     compute_s: float = 0.0,
     *,
+    methods: Sequence[Record],
     latency: float = 0.0,
     backend: Backend = NCCL,
     rates: Sequence[float] = (1.0, 10.0, 100.0),
     calibration: Calibration | None = None,
-    methods: Sequence[tuple[str, str, Mapping[str, Any]]] = METHODS,
 ) -> str:
     """Markdown: per method, where it beats allreduce, and its speed-up at each link rate.
 
+    The model knows gradcomm's factories, not the names a study gives them: the caller
+    hands the rows (experiments/_methods.py's `rows()`, or network.json records).
+
     Args:
       params, nodes, compute_s, latency, backend: as for `predict`.
+      methods: a row each: a mapping with "method" (a gradcomm factory) and optionally
+        "options", "sync" (as for `predict`) and "label" (the row's name).
       rates: link rates in Gbit/s, a column each.
       calibration: if given, its backend, compute and per-method costs are used instead.
-      methods: (label, method, options) rows.
 
     Returns:
       The table; the speed-up is allreduce's step time over the method's.
 
     Example:
       >>> from gradcomm import perfmodel
-      >>> print(perfmodel.crossover_table(25_000_000, 16, 0.2).splitlines()[6])
+      >>> rows = [{"method": "allreduce"},
+      ...         {"label": "lags-0.001", "method": "lags", "options": {"density": 0.001}}]
+      >>> print(perfmodel.crossover_table(25_000_000, 16, 0.2, methods=rows).splitlines()[3])
       | lags-0.001 | 11.2 Gbit/s | 7.83x | 1.08x | 1.00x |
     """
     head = " | ".join(f"{r:g} Gbit/s" for r in rates)
@@ -112,21 +110,23 @@ def crossover_table(
         f"| method | beats allreduce below | {head} |",
         "| --- | --- |" + " ---: |" * len(rates),
     ]
-    for label, method, options in methods:
+    for row in methods:
+        method, options, sync = row["method"], row.get("options") or {}, row.get("sync")
         kw: dict[str, Any] = {"backend": backend, "compute_s": compute_s}
         if calibration is not None:
-            kw = calibration.settings(method, options, nodes)
-        base = {k: v for k, v in kw.items() if k != "cost_per_byte"}
+            kw = calibration.settings(method, options, nodes, sync=sync)
+        kw |= {"options": options, "sync": sync}
         speed = [
-            predict("allreduce", params, nodes, r, latency, **base).step_s
-            / predict(method, params, nodes, r, latency, options=options, **kw).step_s
+            predict("allreduce", params, nodes, r, latency, **_baseline(kw)).step_s
+            / predict(method, params, nodes, r, latency, **kw).step_s
             for r in rates
         ]
         where = "-"
         if method != "allreduce":
-            b = crossover_bandwidth(method, params, nodes, latency, options=options, **kw)
+            b = crossover_bandwidth(method, params, nodes, latency, **kw)
             where = (
                 "no crossover" if b is None else "always" if b == math.inf else f"{b:.3g} Gbit/s"
             )
+        label = row.get("label") or key(method, options, sync)
         lines.append(f"| {label} | {where} | " + " | ".join(f"{s:.2f}x" for s in speed) + " |")
     return "\n".join(lines) + "\n"

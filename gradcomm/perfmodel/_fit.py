@@ -17,10 +17,28 @@ Group = tuple[int, int]  # (nodes, devices per process)
 Record = Mapping[str, Any]  # one network.json record
 
 
-def key(method: str, options: Mapping[str, Any] | None = None) -> str:
-    """A method's identity for calibration: its name and options, warm-up left out."""
+def key(
+    method: str, options: Mapping[str, Any] | None = None, sync: Mapping[str, Any] | None = None
+) -> str:
+    """A method's identity for calibration: its name, options and sync, warm-up left out.
+
+    Example:
+      >>> from gradcomm import perfmodel
+      >>> perfmodel.key("gradient_dropping", {"local": "compensated", "warmup_steps": 0},
+      ...               {"name": "periodic_average", "every": 50})
+      'gradient_dropping{"local": "compensated"} + periodic_average{"every": 50}'
+    """
     kept = {k: v for k, v in sorted((options or {}).items()) if k != "warmup_steps"}
-    return method + (json.dumps(kept) if kept else "")
+    text = method + (json.dumps(kept) if kept else "")
+    if sync:
+        rest = {k: v for k, v in sorted(sync.items()) if k != "name"}
+        text += f" + {sync.get('name')}" + (json.dumps(rest) if rest else "")
+    return text
+
+
+def _options_and_sync(r: Record) -> dict[str, Any]:
+    """A record's method as `predict` and `key` take it: its options and sync."""
+    return {"options": r.get("options"), "sync": r.get("sync")}
 
 
 def _group(r: Record) -> Group:
@@ -51,7 +69,7 @@ class Calibration:
     Attributes:
       backend: the backend, with allreduce's factors refitted to the shaped cells.
       base_s: (nodes, devices per process) -> the allreduce step's compute, in seconds.
-      cost_per_byte: `key(method, options)` -> extra compute per model byte, in seconds,
+      cost_per_byte: `key(method, options, sync)` -> extra compute per model byte, in seconds,
         on the reference group (fewest devices per process, then fewest nodes); in another
         group it scales with that group's allreduce compute (`settings`).
       unshaped_gbps: nodes -> an unshaped link's effective bandwidth (inf: no cost seen).
@@ -70,12 +88,18 @@ class Calibration:
     rate_factors: Mapping[tuple[int, float], float] = dataclasses.field(default_factory=dict)
 
     def settings(
-        self, method: str, options: Mapping[str, Any] | None, nodes: int, per_process: int = 1
+        self,
+        method: str,
+        options: Mapping[str, Any] | None,
+        nodes: int,
+        per_process: int = 1,
+        *,
+        sync: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """`predict` keyword arguments for a method on the calibrated machine.
 
         The compute is the calibrated one of the nearest node count measured, and the
-        method's extra compute scales with it.
+        method's extra compute (that of `key(method, options, sync)`) scales with it.
         """
         near = min(self.base_s, key=lambda g: (g[1] != per_process, abs(g[0] - nodes)))
         ref = self.base_s[_reference(self.base_s)]
@@ -83,15 +107,16 @@ class Calibration:
         return {
             "backend": self.backend,
             "compute_s": self.base_s[near],
-            "cost_per_byte": self.cost_per_byte.get(key(method, options), 0.0) * slower,
+            "cost_per_byte": self.cost_per_byte.get(key(method, options, sync), 0.0) * slower,
             "itemsize": self.itemsize,
         }
 
     def predict_record(self, r: Record, method: str | None = None) -> Prediction:
         """The model's step for a network.json record, or its allreduce's (`"allreduce"`)."""
-        m, o = (method, None) if method else (r["method"], r.get("options"))
+        m, own = (method, {}) if method else (r["method"], _options_and_sync(r))
         gbps = _gbps(r) or self.unshaped_gbps.get(r["nodes"], math.inf)
-        kw = self.settings(m, o, *_group(r)) | {"compute_s": self.base_s[_group(r)]}
+        kw = self.settings(m, own.get("options"), *_group(r), sync=own.get("sync"))
+        kw["compute_s"] = self.base_s[_group(r)]
         at_rate = {
             ("allreduce", n): f for (n, rate), f in self.rate_factors.items()
             if rate == r.get("rate_mbit")
@@ -102,7 +127,7 @@ class Calibration:
             )
         amortize = r.get("timing") != "median"
         nodes = _ring(r) if m == "allreduce" else r["nodes"]
-        return predict(m, r["params"], nodes, gbps, options=o, amortize=amortize, **kw)
+        return predict(m, r["params"], nodes, gbps, amortize=amortize, **own, **kw)
 
 
 def _reference(groups: Iterable[Group]) -> Group:
@@ -126,9 +151,10 @@ def _fit_unshaped(
         ar = predict("allreduce", r["params"], _ring(r), 1.0, **kw)
         rows.append((_group(r), None, r["allreduce_step_s"], ar.comm_s))
         if r["method"] != "allreduce":
-            kw |= {"options": r.get("options"), "amortize": r.get("timing") != "median"}
+            own = _options_and_sync(r)
+            kw |= {**own, "amortize": r.get("timing") != "median"}
             p = predict(r["method"], r["params"], r["nodes"], 1.0, **kw)
-            rows.append((_group(r), key(r["method"], r.get("options")), r["step_s"], p.comm_s))
+            rows.append((_group(r), key(r["method"], **own), r["step_s"], p.comm_s))
     if not rows:
         return {}, {}, {}
     groups = sorted({g for g, *_ in rows})
@@ -282,7 +308,7 @@ def fit_report(records: Sequence[Record], calibration: Calibration) -> list[FitR
         else:
             error, runs = p.step_s / ar.step_s / measured - 1, r.get("ratio_runs")
         tolerance = 0.15 if bound == "bandwidth" else max(0.15, _spread(runs))
-        label = r.get("label") or key(r["method"], r.get("options"))
+        label = r.get("label") or key(r["method"], **_options_and_sync(r))
         out.append(
             FitRow(
                 label,

@@ -9,8 +9,10 @@
 all-gather with output S, a reduce-scatter or an all-to-all of S (n-1)/n S, a permute S.
 `messages` is 2(n-1) for the ring all-reduce, n-1 for the other collectives, 1 for a permute.
 `share` is how often a collective runs (1/k for an average every k steps, 1/m for one of m
-gossip phases). `factor` is the backend's time against that ideal: 1 on NCCL; on gloo it is
-measured per pattern, and a swap (two processes sending to each other) runs at half speed.
+gossip phases): parameter averaging (`local_sgd`, or a `sync` such as `periodic_average`
+beside a transformation) is an all-reduce of the params every k steps. `factor` is the
+backend's time against that ideal: 1 on NCCL; on gloo it is measured per pattern, and a
+swap (two processes sending to each other) runs at half speed.
 `window` is the backward pass (`BACKWARD` of the compute) for methods whose exchange can
 start layer by layer (allreduce, adasum, terngrad, lags, gradient_dropping), the whole step
 for 1-overlap SGP (its message is mixed in a step later), nothing for slgs, sgp, dpsgd and
@@ -165,12 +167,29 @@ def _phases(topology: str, n: int) -> list[list[str]]:
     return [["swap" if 2 * s % n == 0 else "permute" for s in p if s] for p in peers]
 
 
+# The `gradcomm.ParamsSync` factories, run after the step: each an all-reduce of the params
+# every `every` steps (20 by default, as in gradcomm).
+SYNCS = ("periodic_average", "local_sgd")
+
+
+def _averaging(
+    sync: Mapping[str, Any] | None, n: int, size: float, amortize: bool
+) -> list[Collective]:
+    """A sync's collectives per step: the params' all-reduce, 1/every of the steps."""
+    if sync is None or not amortize:
+        return []
+    if sync.get("name") not in SYNCS:
+        raise ValueError(f"unknown sync {sync!r}: name one of {SYNCS}")
+    return [Collective("allreduce", n, size, 1 / sync.get("every", 20))]
+
+
 def pattern(
     method: str,
     params: int,
     nodes: int,
     *,
     options: Mapping[str, Any] | None = None,
+    sync: Mapping[str, Any] | None = None,
     itemsize: int = 4,
     amortize: bool = True,
 ) -> list[Collective]:
@@ -181,20 +200,36 @@ def pattern(
         "gradient_dropping", "local_sgd", "sgp" or "dpsgd".
       params: the model's parameter count.
       nodes: the hosts on the link (a hierarchical Adasum's local mean stays in a host).
-      options: the factory's keyword arguments; density, drop_ratio, average_every, every
+      options: the factory's keyword arguments; density, drop_ratio, every (local_sgd's)
         and topology matter, the others are ignored.
+      sync: the `gradcomm.ParamsSync` run after each step beside the method, as its
+        factory's name and keyword arguments: `{"name": "periodic_average", "every": 50}`
+        is an all-reduce of the params every 50 steps (gradient dropping's model
+        averaging); None for none.
       itemsize: bytes per parameter.
       amortize: count periodic averaging at 1/k per step; False leaves it out.
 
     Returns:
       A list of `Collective`s; time-varying gossip is averaged over its phases.
 
+    Raises:
+      ValueError: for an unknown method, topology or sync, or an `average_every` option
+        (gradient dropping's averaging is a sync now).
+
     Example:
       >>> from gradcomm import perfmodel
       >>> [c.kind for c in perfmodel.pattern("adasum", 1000, 4)]
       ['swap', 'allgather', 'swap', 'allgather', 'doubling_gather']
+      >>> sync = {"name": "periodic_average", "every": 50}
+      >>> perfmodel.pattern("gradient_dropping", 1000, 4, sync=sync)[-1].share
+      0.02
     """
     o, n, size = dict(options or {}), nodes, float(params * itemsize)
+    if "average_every" in o:
+        raise ValueError(
+            f"{method} has no average_every option: periodic parameter averaging is a sync, "
+            f"sync={{'name': 'periodic_average', 'every': {o['average_every']}}}"
+        )
     out: list[Collective] = []
     if n < 2:
         return out
@@ -220,11 +255,8 @@ def pattern(
         density = 1 - o.get("drop_ratio", 0.99) if dropping else o.get("density", 0.001)
         k = max(1, round(density * params))
         out.append(Collective("allgather", n, n * k * (itemsize + 4)))
-        if o.get("average_every") and amortize:
-            out.append(Collective("allreduce", n, size, 1 / o["average_every"]))
-    elif method == "local_sgd":
-        if amortize:
-            out.append(Collective("allreduce", n, size, 1 / o.get("every", 20)))
+    elif method == "local_sgd":  # its ParamsSync is the whole method
+        out += _averaging({"name": method, **o}, n, size, amortize)
     elif method in ("sgp", "dpsgd"):
         default = "exponential" if method == "sgp" else "exponential-bidirectional"
         phases = _phases(o.get("topology", default), n)
@@ -236,7 +268,7 @@ def pattern(
             ]
     else:
         raise ValueError(f"unknown method {method!r}")
-    return out
+    return out + _averaging(sync, n, size, amortize)
 
 
 def window(method: str, options: Mapping[str, Any] | None = None) -> Window:
@@ -254,6 +286,7 @@ def predict(
     latency: float = 0.0,
     *,
     options: Mapping[str, Any] | None = None,
+    sync: Mapping[str, Any] | None = None,
     backend: Backend = NCCL,
     compute_s: float = 0.0,
     cost_per_byte: float = 0.0,
@@ -270,6 +303,8 @@ def predict(
       latency: seconds per message.
       options: the factory's keyword arguments; an `exchange` of "permute" or "pairwise"
         overrides the backend's `swaps`.
+      sync: the `ParamsSync` beside the method (see `pattern`); its all-reduce hides in
+        the method's window like the method's own collectives.
       backend: `NCCL` (ideal patterns, overlap 1), `GLOO` or `GLOO_PAIRWISE`.
       compute_s: an allreduce step's compute (forward, backward, optimizer), in seconds.
       cost_per_byte: the method's extra compute, seconds per byte of the model.
@@ -285,7 +320,9 @@ def predict(
       >>> round(p.comm_s, 2)  # at N = 2 the gossip peer is a swap: 2.80 s on gloo
       2.8
     """
-    colls = pattern(method, params, nodes, options=options, itemsize=itemsize, amortize=amortize)
+    colls = pattern(
+        method, params, nodes, options=options, sync=sync, itemsize=itemsize, amortize=amortize
+    )
     if (options or {}).get("exchange") in ("permute", "pairwise"):
         backend = dataclasses.replace(backend, swaps=options["exchange"])
     comm = sum(backend.factor(c.kind, c.n) * c.seconds(bandwidth, latency) for c in colls)

@@ -1,0 +1,219 @@
+"""The methods by name: the one registry that compare.py, the network benchmark and the model read.
+
+A display name ("allreduce", "lags-0.001", "dropping-local", ...) maps to a `Spec`, plain
+data: the gradcomm factory that makes the method, its keyword arguments, the
+`gradcomm.ParamsSync` that `parallel.train_step` runs after each step (if any), and where
+the transformation goes in the chain. `build` turns a spec into the `Method` the training
+loop runs; `Spec.describe()` is what the network benchmark writes into network.json and
+what `gradcomm.perfmodel` reads (`crossover_table(..., methods=rows())`), so the three
+speak one vocabulary. The gradcomm package never imports this module: the model is handed
+these rows by its caller.
+
+Each method goes where its paper puts it: the all-reduce before the optimizer (it averages
+gradients), Adasum after it (it combines each device's update, paper A.6), TernGrad before
+it (it quantizes gradients), LAGS and SLGS after it (they sparsify learning-rate-scaled
+updates, LAGS eq. 5), gradient dropping before it (Algorithm 1 feeds the optimizer), and
+the gossip methods (SGP, 1-overlap SGP, D-PSGD) after it. Local SGD is the plain optimizer
+with `gradcomm.local_sgd`'s sync, and gradient dropping with local gradients averages the
+params with `gradcomm.periodic_average`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import optax
+
+    import gradcomm
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A method as plain data.
+
+    Attributes:
+      label: the display name.
+      method: the gradcomm factory, called as `gradcomm.<method>(axis, **options)`. Local
+        SGD's, `local_sgd`, makes a `ParamsSync`: the method is then the plain optimizer
+        and that sync.
+      options: the factory's keyword arguments.
+      sync: the `ParamsSync` run after each step, as its factory's name and keyword
+        arguments (`{"name": "periodic_average", "every": 50}`); None for none.
+      first: whether the transformation goes before the inner optimizer (on gradients)
+        rather than after it (on the optimizer's updates).
+      per_device: whether devices hold different params.
+      local: whether it averages over a host's devices first (`local_axis="local"`): the
+        network benchmark runs it with 2 devices per host.
+    """
+
+    label: str
+    method: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sync: Mapping[str, Any] | None = None
+    first: bool = False
+    per_device: bool = False
+    local: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """The method as network.json records and `gradcomm.perfmodel` name it."""
+        return {
+            "method": self.method,
+            "options": dict(self.options),
+            "sync": None if self.sync is None else dict(self.sync),
+            "label": self.label,
+        }
+
+    def configured(self, *, sync_every: int | None = None, **options: Any) -> Spec:
+        """This method with `options` set on its factory and, with `sync_every`, its sync's
+        period (a method without a sync has none to set)."""
+        sync = self.sync
+        if sync_every is not None:
+            if sync is None:
+                raise ValueError(f"{self.label} has no sync whose period to set")
+            sync = {**sync, "every": sync_every}
+        return dataclasses.replace(self, options={**self.options, **options}, sync=sync)
+
+    @property
+    def every(self) -> int | None:
+        """The steps between parameter averages (its sync's, or local SGD's); None: none."""
+        if self.sync is not None:
+            return self.sync["every"]
+        return self.options["every"] if self.method == "local_sgd" else None
+
+
+_AVERAGE = {"name": "periodic_average", "every": 50}
+_DROP = {"warmup_steps": 50}
+_HIERARCHICAL = {"local_axis": "local"}
+_PERMUTE = {"exchange": "permute"}
+# fmt: off
+METHODS: dict[str, Spec] = {s.label: s for s in (
+    Spec("allreduce", "allreduce", first=True),
+    Spec("adasum", "adasum"),
+    Spec("adasum-hierarchical", "adasum", _HIERARCHICAL, local=True),
+    # Swaps as ppermutes: half speed on gloo's slow links, less CPU than the exchanges.
+    Spec("adasum-permute", "adasum", _PERMUTE),
+    Spec("adasum-hierarchical-permute", "adasum", _HIERARCHICAL | _PERMUTE, local=True),
+    Spec("terngrad", "terngrad", first=True),
+    Spec("lags", "lags", {"density": 0.01}),
+    Spec("lags-0.001", "lags", {"density": 0.001}),
+    Spec("slgs", "slgs", {"density": 0.01}),
+    Spec("dropping", "gradient_dropping", _DROP, first=True),
+    Spec("dropping-local", "gradient_dropping", {"local": "compensated", **_DROP}, _AVERAGE,
+         first=True, per_device=True),
+    Spec("local-sgd", "local_sgd", {"every": 20}, per_device=True),
+    Spec("sgp", "sgp", per_device=True),
+    Spec("osgp", "sgp", {"overlap": 1}, per_device=True),
+    Spec("dpsgd", "dpsgd", per_device=True),
+)}
+# compare.py's methods: one of each kind, on the small CNN.
+COMPARE = ("allreduce", "adasum", "terngrad", "lags", "slgs", "dropping", "dropping-local",
+           "local-sgd", "sgp", "osgp", "dpsgd")
+# fmt: on
+
+# The network benchmark's rows: every method.
+NETWORK = tuple(METHODS)
+
+
+def rows(names: Sequence[str] = NETWORK) -> list[dict[str, Any]]:
+    """`Spec.describe()` of the named methods that run one device per host.
+
+    These are the rows `gradcomm.perfmodel.crossover_table(..., methods=rows())` reads.
+    """
+    return [METHODS[n].describe() for n in names if not METHODS[n].local]
+
+
+def parse(text: str) -> list[str]:
+    """The comma-separated method names of a flag, each checked against the registry."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise SystemExit(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A method as the training loop runs it.
+
+    Attributes:
+      name: the method's name.
+      tx: the transformation, chained with the inner optimizer.
+      per_device: whether devices hold different params (gossip, local SGD).
+      sync: the `gradcomm.ParamsSync` that `parallel.train_step` runs after each step.
+    """
+
+    name: str
+    tx: optax.GradientTransformation
+    per_device: bool = False
+    sync: gradcomm.ParamsSync | None = None
+
+    def start(
+        self, loss_fn: Any, mesh: Any, host_params: Any, *, donate: bool = False
+    ) -> tuple[Any, Any, Any]:
+        """`(params, state, step)`: the params placed on `mesh`, the state and the jitted step.
+
+        `loss_fn(params, batch) -> (loss, metrics)`; `host_params` one copy of the params.
+        """
+        from gradcomm import parallel
+
+        place = parallel.per_device if self.per_device else parallel.replicate
+        params = place(host_params, mesh)
+        kw: dict[str, Any] = {"params_per_device": self.per_device, "sync": self.sync}
+        state = parallel.init_state(self.tx, params, mesh, **kw)
+        step = parallel.train_step(loss_fn, self.tx, mesh, has_aux=True, donate=donate, **kw)
+        return params, state, step
+
+
+def build(spec: Spec | str, opt: optax.GradientTransformation, axis: Any = "data") -> Method:
+    """The method `spec` (or the registry's method of that name) with the inner optimizer.
+
+    Args:
+      spec: a `Spec`, or a name in `METHODS`.
+      opt: the inner optimizer.
+      axis: the mesh axis (or tuple of axes) the method communicates over.
+
+    Returns:
+      A `Method` named by the spec's label.
+    """
+    import optax
+
+    import gradcomm
+
+    spec = METHODS[spec] if isinstance(spec, str) else spec
+    made = getattr(gradcomm, spec.method)(axis, **spec.options)
+    sync = None
+    if spec.sync is not None:
+        kwargs = {k: v for k, v in spec.sync.items() if k != "name"}
+        sync = getattr(gradcomm, spec.sync["name"])(axis, **kwargs)
+    if isinstance(made, gradcomm.ParamsSync):  # local SGD: the plain optimizer, then the sync
+        tx, sync = opt, made
+    else:
+        tx = optax.chain(made, opt) if spec.first else optax.chain(opt, made)
+    return Method(spec.label, tx, spec.per_device, sync)
+
+
+def optimizer(
+    name: str, lr: float, steps: int, schedule: str = "cosine"
+) -> optax.GradientTransformation:
+    """The inner optimizer: "adam", "sgd" or "momentum" (SGD with momentum 0.9).
+
+    `schedule` is "cosine" (decay to 0 over `steps`) or "constant".
+    """
+    import optax
+
+    if schedule == "cosine":
+        rate: optax.ScalarOrSchedule = optax.cosine_decay_schedule(lr, max(steps, 1))
+    elif schedule == "constant":
+        rate = lr
+    else:
+        raise SystemExit(f"unknown schedule {schedule!r}: choose cosine or constant")
+    if name == "adam":
+        return optax.adam(rate)
+    if name == "sgd":
+        return optax.sgd(rate)
+    if name == "momentum":
+        return optax.sgd(rate, momentum=0.9)
+    raise SystemExit(f"unknown optimizer {name!r}: choose adam, sgd or momentum")

@@ -1,0 +1,257 @@
+"""The network benchmark's worker: one host's JAX process, timing methods or raw collectives.
+
+`bench_network.py` starts one per host of an emulated cluster (`_netcluster.py`); each joins
+the run (gloo collectives over the shaped links) and process 0 prints its result as one
+line, `RESULT <json>`. JAX is imported inside the workers only: the driver reads the
+methods' specs from here without starting it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import _methods
+
+
+def spec_of(label: str) -> _methods.Spec:
+    """The registry's method as the benchmark times it: in its steady state, without
+    gradient dropping's drop-ratio warm-up."""
+    spec = _methods.METHODS[label]
+    return spec.configured(warmup_steps=0) if "warmup_steps" in spec.options else spec
+
+
+def cycle(spec: _methods.Spec, nodes: int) -> int:
+    """Steps after which the method's communication repeats (1: every step is alike)."""
+    from gradcomm import topology
+
+    if spec.every:
+        return spec.every
+    if spec.method in ("sgp", "dpsgd"):
+        default = "exponential" if spec.method == "sgp" else "exponential-bidirectional"
+        return topology.resolve(spec.options.get("topology", default), nodes).num_phases
+    return 1
+
+
+def mlp_widths(params: float, d_in: int = 256, classes: int = 10) -> tuple[int, ...]:
+    """Layer widths of a 2-hidden-layer MLP with about `params` parameters."""
+    # h^2 + (d_in + classes + 2) h + classes = params
+    b = d_in + classes + 2
+    h = int((-b + math.sqrt(b * b + 4 * (params - classes))) / 2)
+    return (d_in, max(h, 1), max(h, 1), classes)
+
+
+def mlp_task(widths: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    """(init params, loss_fn with accuracy, one fixed global batch) for a ReLU MLP."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        params[f"w{i}"] = (rng.standard_normal((a, b)) * np.sqrt(2 / a)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(b, np.float32)
+    layers = len(widths) - 1
+
+    def loss_fn(p: Any, data: Any) -> tuple[jax.Array, dict]:
+        x = data["x"]
+        for i in range(layers):
+            x = x @ p[f"w{i}"] + p[f"b{i}"]
+            x = jax.nn.relu(x) if i + 1 < layers else x
+        loss = optax.softmax_cross_entropy_with_integer_labels(x, data["y"]).mean()
+        return loss, {"accuracy": jnp.mean(jnp.argmax(x, -1) == data["y"])}
+
+    data = {
+        "x": rng.standard_normal((batch, widths[0])).astype(np.float32),
+        "y": rng.integers(0, widths[-1], batch).astype(np.int32),
+    }
+    return params, loss_fn, data
+
+
+def pairwise_mesh_axes(name: str, nodes: int) -> dict[str, int]:
+    """Size-2 axes for a power-of-two host count (`parallel.pairwise_axes`), else one axis."""
+    from gradcomm import parallel
+
+    return parallel.pairwise_axes(name, nodes) if nodes & (nodes - 1) == 0 else {name: nodes}
+
+
+def _join(config: dict[str, Any], devices: int) -> list[Any]:
+    """Joins the run as this host's process with `devices` CPU devices; all processes'."""
+    import _runtime
+
+    args = argparse.Namespace(
+        devices=devices,
+        coordinator_address=config["coordinator"],
+        num_processes=config["nodes"],
+        process_id=config["process"],
+    )
+    return _runtime.setup(args)
+
+
+def worker(config: dict[str, Any]) -> None:
+    """One host's process: trains with every method, prints records (process 0) as JSON."""
+    local = config["local"]
+    devices = _join(config, 2 if local else 1)
+    import jax
+    import numpy as np
+    import optax
+    from _loop import bytes_per_step
+
+    if config.get("cache"):  # later cells of the same node count reuse the compiled steps
+        jax.config.update("jax_compilation_cache_dir", config["cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+    from gradcomm import parallel
+
+    nodes = config["nodes"]
+    # The hosts' axis factored into size-2 axes, so that pairwise swaps (Adasum, SGP,
+    # D-PSGD) run as full-duplex two-member collectives (`parallel.pairwise_axes`).
+    host_axes = pairwise_mesh_axes("node" if local else "data", nodes)
+    mesh = parallel.make_mesh({**host_axes, **({"local": 2} if local else {})}, devices=devices)
+    axis: Any = tuple(host_axes)
+    widths = mlp_widths(config["params"])
+    host_params, loss_fn, data = mlp_task(widths, 32 * len(devices))
+    num_params = sum(int(np.prod(v.shape)) for v in host_params.values())
+    batch = parallel.shard_batch(data, mesh)
+    labels = config["labels"]
+    main = jax.process_index() == 0
+
+    def log(text: str) -> None:
+        if main:
+            print(f"[{config['rate']} N={nodes}] {text}", file=sys.stderr, flush=True)
+
+    runs: dict[str, Any] = {}
+    for label in labels:
+        spec = spec_of(label)
+        if local and label == "allreduce":  # the baseline averages over every device
+            method = _methods.build(spec, optax.adam(1e-4), mesh.axis_names)
+        else:
+            method = _methods.build(spec, optax.adam(1e-4), axis)
+        params, state, step = method.start(loss_fn, mesh, host_params, donate=True)
+        sent = None
+        if config["measure_bytes"]:
+            sent = bytes_per_step(method, loss_fn, mesh, params, data)
+        every = cycle(spec, nodes)
+        warm = max(3, every + 1)
+        t0 = time.perf_counter()
+        for _ in range(warm):
+            params, state, metrics = step(params, state, batch)
+            jax.block_until_ready(metrics)
+        log(f"{label}: compiled and warmed up ({warm} steps) in {time.perf_counter() - t0:.1f}s")
+        runs[label] = {"step": step, "params": params, "state": state, "cycle": every,
+                       "bytes": sent, "times": []}  # fmt: skip
+
+    steps = config["steps"]
+    for r in range(config["runs"]):
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        for label in order:
+            run = runs[label]
+            count = math.ceil(steps / run["cycle"]) * run["cycle"]
+            times = []
+            params, state = run["params"], run["state"]
+            for _ in range(count):
+                t0 = time.perf_counter()
+                params, state, metrics = run["step"](params, state, batch)
+                jax.block_until_ready((params, metrics))
+                times.append(time.perf_counter() - t0)
+            run["params"], run["state"] = params, state
+            stat = float(np.mean(times)) if run["cycle"] > 1 else float(np.median(times))
+            run["times"].append(stat)
+            log(f"run {r + 1}: {label} {stat:.4f} s/step")
+    if main:
+        out = {
+            label: {
+                "runs": run["times"],
+                "bytes": run["bytes"],
+                "cycle": run["cycle"],
+                "params": num_params,
+            }
+            for label, run in runs.items()
+        }
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+PATTERNS = (
+    "psum",
+    "psum_scatter",
+    "all_gather",
+    "ppermute_ring",
+    "ppermute_one_way",
+    "ppermute_swap",
+    "all_to_all",
+    "pair_reduce_scatter",
+    "pair_psum",
+)
+
+
+def pattern_worker(config: dict[str, Any]) -> None:
+    """One host's process: times each raw collective on a buffer of `--pattern-mib` MiB.
+
+    The buffer is each device's; `all_gather` gathers N pieces of 1/N of it. The two
+    `pair_*` patterns run over one size-2 axis of a mesh whose devices are factored into
+    size-2 axes (power-of-two N): a 2-member reduce-scatter of a 2-slot buffer (each
+    device sends one buffer, as in a swap) and a 2-member psum of the buffer, which is
+    what gradcomm's pairwise exchange runs (on the bits, as unsigned integers).
+    """
+    devices = _join(config, 1)
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(devices)
+    size = int(config["pattern_mib"] * 2**20 // 4)
+    size -= size % (2 * n)
+    flat = jax.make_mesh((n,), ("data",), devices=devices)
+    bits = n.bit_length() - 1
+    pair_names = tuple(f"b{i}" for i in range(bits)) if n == 1 << bits else ()
+    pairs = jax.make_mesh((2,) * bits, pair_names, devices=devices) if pair_names else None
+
+    def shift(pairs_: list[tuple[int, int]]) -> Any:
+        return lambda x: lax.ppermute(x, "data", pairs_)
+
+    bodies: dict[str, tuple[Any, Any, int]] = {
+        "psum": (flat, lambda x: lax.psum(x, "data"), size),
+        "psum_scatter": (flat, lambda x: lax.psum_scatter(x, "data", tiled=True), size),
+        "all_gather": (flat, lambda x: lax.all_gather(x, "data", tiled=True), size // n),
+        "ppermute_ring": (flat, shift([(i, (i + 1) % n) for i in range(n)]), size),
+        "ppermute_one_way": (flat, shift([(i, i + 1) for i in range(0, n - 1, 2)]), size),
+        "ppermute_swap": (flat, shift([(i, i ^ 1) for i in range(n - n % 2)]), size),
+        "all_to_all": (flat, lambda x: lax.all_to_all(x, "data", 0, 0, tiled=True), size),
+    }
+    if pairs is not None:
+        last = pair_names[-1]
+        bodies["pair_reduce_scatter"] = (
+            pairs, lambda x: lax.psum_scatter(x, last, tiled=True), 2 * size,
+        )  # fmt: skip
+        bodies["pair_psum"] = (pairs, lambda x: lax.psum(x, last), size)
+    results: dict[str, float] = {}
+    for name in PATTERNS:
+        if name not in bodies:
+            continue
+        mesh, body, count = bodies[name]
+        spec = P(mesh.axis_names)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                   check_vma=False))  # fmt: skip
+        local = np.ones((count,), np.float32)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+        times = []
+        for k in range(config["pattern_repeats"] + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            if k:  # the first call sets up gloo's connections
+                times.append(time.perf_counter() - t0)
+        results[name] = float(np.median(times))
+        if jax.process_index() == 0:
+            print(f"[{config['rate']} N={n}] {name}: {results[name]:.3f} s", file=sys.stderr)
+    if jax.process_index() == 0:
+        print("RESULT " + json.dumps(results), flush=True)

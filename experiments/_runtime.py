@@ -1,0 +1,121 @@
+"""Devices, hosts and the flags every experiment shares.
+
+Scripts call `add_common_args` on their parser and `setup` before anything touches a JAX
+device: `setup` simulates CPU devices (`--devices`), or joins a multi-host run
+(`--coordinator-address`, `--num-processes`, `--process-id`, gloo collectives on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+
+import jax
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser, *, data: bool = True, seed: bool = True
+) -> None:
+    """Device, host, data, seed and output flags shared by every experiment.
+
+    A study that makes its own data leaves out `--dataset` and `--data-dir` (`data=False`);
+    one that runs several seeds leaves out `--seed` (`seed=False`).
+    """
+    group = parser.add_argument_group("devices and hosts")
+    group.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices per process: simulated on a CPU (default 8 there), or the first N "
+        "accelerators (default: all of them)",
+    )
+    group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+    group.add_argument("--num-processes", type=int, default=1, help="processes in the run")
+    group.add_argument("--process-id", type=int, default=0, help="this process's index")
+    if data:
+        parser.add_argument(
+            "--dataset",
+            default="digits",
+            help="digits (bundled), mnist or cifar10 (from --data-dir)",
+        )
+        parser.add_argument(
+            "--data-dir", default=None, help="directory with MNIST idx files or CIFAR-10 batches"
+        )
+    if seed:
+        parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--out",
+        default="runs/" + pathlib.Path(sys.argv[0]).stem,
+        help="output directory for JSON, PNG and Markdown",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def add_schedule_args(
+    parser: argparse.ArgumentParser,
+    *,
+    epochs: int,
+    batch_size: int | None = None,
+    probe_every: int | None = None,
+    seeds: bool = False,
+) -> None:
+    """The training-length flags a study takes, with its own defaults.
+
+    Args:
+      parser: the study's parser.
+      epochs: the default of `--epochs`.
+      batch_size: the default of `--batch-size` (examples per device per step); None
+        leaves the flag out.
+      probe_every: the default of `--probe-every`; None leaves the flag out.
+      seeds: whether to add `--seeds` (the seeds a study averages over).
+    """
+    parser.add_argument("--epochs", type=int, default=epochs, help="passes over the training set")
+    if batch_size is not None:
+        parser.add_argument(
+            "--batch-size", type=int, default=batch_size, help="examples per device per step"
+        )
+    if probe_every is not None:
+        parser.add_argument(
+            "--probe-every", type=int, default=probe_every, help="steps between probes"
+        )
+    if seeds:
+        parser.add_argument("--seeds", default="0,1,2", help="seeds to average over")
+
+
+def seed_list(args: argparse.Namespace) -> list[int]:
+    """The seeds of `--seeds`."""
+    return [int(x) for x in args.seeds.split(",")]
+
+
+def setup(args: argparse.Namespace) -> list[jax.Device]:
+    """Configures JAX for the run and returns the devices to use (all processes')."""
+    if args.devices is not None and args.devices < 1:
+        raise SystemExit("--devices must be at least 1")
+    jax.config.update("jax_num_cpu_devices", args.devices or 8)
+    if args.coordinator_address:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    local = jax.local_devices()
+    if args.devices is not None and args.devices > len(local):
+        raise SystemExit(f"--devices {args.devices}: only {len(local)} local devices")
+    if args.devices is not None and local[0].platform != "cpu":
+        keep = {
+            d.id for p in range(jax.process_count()) for d in _first_of_process(p, args.devices)
+        }
+        return [d for d in jax.devices() if d.id in keep]
+    return jax.devices()
+
+
+def _first_of_process(process: int, count: int) -> list[jax.Device]:
+    return [d for d in jax.devices() if d.process_index == process][:count]
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+def describe(devices: Sequence[jax.Device]) -> str:
+    kind = devices[0].device_kind if devices else "none"
+    return f"{len(devices)} x {devices[0].platform} ({kind}), {jax.process_count()} process(es)"
