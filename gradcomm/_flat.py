@@ -7,6 +7,9 @@ every row has the same per-leaf structure: a method that halves or scatters rows
 devices keeps a static map from blocks to leaves. A leaf owns whole blocks of `block`
 elements, which makes per-leaf sums two dense reductions (over the block, then a sorted
 segment sum over blocks) instead of a scatter over every element.
+
+`FlatBuffers` is a whole pytree laid out that way: one buffer per dtype, so that a method
+moves a model of any number of leaves in one collective per dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +75,11 @@ class FlatLayout:
     @property
     def num_blocks(self) -> int:
         return sum(self.blocks)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The buffer's shape, `(rows, num_blocks, block)`."""
+        return (self.rows, self.num_blocks, self.block)
 
     @property
     def padded_size(self) -> int:
@@ -138,6 +147,68 @@ def dtype_groups(leaves: Sequence[jax.Array]) -> list[list[int]]:
         if leaf.size:
             groups.setdefault(np.dtype(leaf.dtype), []).append(i)
     return list(groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatBuffers:
+    """A pytree's leaves fused into one `FlatLayout` buffer per dtype.
+
+    The groups are `dtype_groups`: the non-empty leaves of each dtype, in first-seen order.
+    Empty leaves belong to no buffer and unpack as zeros.
+
+    Attributes:
+      treedef: the pytree's structure.
+      leaves: every leaf's shape and dtype, in `treedef` order.
+      groups: per buffer, the indices of its leaves.
+      layouts: per buffer, where its leaves live.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradcomm._flat import FlatBuffers
+      >>> tree = {"a": jnp.ones((2, 3)), "b": jnp.zeros(5, jnp.bfloat16), "c": jnp.arange(4.0)}
+      >>> flat = FlatBuffers.of(tree)
+      >>> [(x.shape, x.dtype.name) for x in flat.pack(tree)]
+      [((1, 10, 1), 'float32'), ((1, 5, 1), 'bfloat16')]
+      >>> flat.unpack(flat.pack(tree))["c"]
+      Array([0., 1., 2., 3.], dtype=float32)
+    """
+
+    treedef: jax.tree_util.PyTreeDef
+    leaves: tuple[jax.ShapeDtypeStruct, ...]
+    groups: tuple[tuple[int, ...], ...]
+    layouts: tuple[FlatLayout, ...]
+
+    @classmethod
+    def of(cls, tree: Any, rows: int = 1) -> FlatBuffers:
+        """Lays out the leaves of `tree` (arrays or `jax.ShapeDtypeStruct`s), `rows` rows."""
+        leaves, treedef = jax.tree.flatten(tree)
+        groups = tuple(tuple(ids) for ids in dtype_groups(leaves))
+        layouts = tuple(FlatLayout.of([leaves[i].shape for i in ids], rows) for ids in groups)
+        specs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+        return cls(treedef, specs, groups, layouts)
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, ...]:
+        """The dtype of each buffer."""
+        return tuple(np.dtype(self.leaves[ids[0]].dtype) for ids in self.groups)
+
+    def pack(self, tree: Any) -> list[jax.Array]:
+        """A tree of this structure as its buffers, each `(rows, num_blocks, block)`."""
+        leaves = self.treedef.flatten_up_to(tree)
+        return [
+            layout.pack([leaves[i] for i in ids], dtype)
+            for layout, ids, dtype in zip(self.layouts, self.groups, self.dtypes, strict=True)
+        ]
+
+    def unpack(self, buffers: Sequence[jax.Array]) -> Any:
+        """Inverse of `pack`. A buffer may come in any shape of its size (a flat one)."""
+        out: list[jax.Array | None] = [None] * len(self.leaves)
+        for layout, ids, buffer in zip(self.layouts, self.groups, buffers, strict=True):
+            for i, leaf in zip(ids, layout.unpack(buffer.reshape(layout.shape)), strict=True):
+                out[i] = leaf
+        for i, spec in enumerate(self.leaves):
+            out[i] = jnp.zeros(spec.shape, spec.dtype) if out[i] is None else out[i]
+        return jax.tree.unflatten(self.treedef, out)
 
 
 def offsets(sizes: Sequence[int]) -> tuple[int, ...]:

@@ -10,9 +10,9 @@ computed by recursive vector-halving distance-doubling (Algorithm 1) over `lax.p
 
 How gradcomm computes it:
 
-* Leaves of one dtype are fused into one buffer, each leaf split into P = 2^floor(log2 N)
-  rows, so a level of the tree costs one `ppermute` (plus one small `all_gather` of per-leaf
-  dot products) whatever the number of leaves.
+* Leaves of one dtype are fused into one buffer (`gradcomm._flat.FlatBuffers`), each leaf
+  split into P = 2^floor(log2 N) rows, so a level of the tree costs one `ppermute` (plus
+  a small exchange of per-leaf dot products) whatever the number of leaves.
 * Level j pairs device i with i ^ 2^j; each keeps the half of the rows whose bit j matches
   its own and sends the other half. After log2 P levels device i holds row i of the result,
   and one `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of
@@ -22,7 +22,10 @@ How gradcomm computes it:
   (`exchange="pairwise"`, `_collectives.exchange`), which gloo runs at full speed both ways; the
   final gather is then reverse doubling, one exchange per axis. Same bits, same bytes.
 * Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
-  devices that hold slices of the pair) sums them, and a second pass combines.
+  devices that hold slices of the pair) gathers and sums them, and a second pass
+  combines. Only the group exchanges them (recursive doubling within it, or one
+  all-gather over its size-2 axes), so level j sends 2^(j+1) - 1 members' statistics
+  per device, whatever N.
 * For N = P + r (0 < r < P), device P + i first sends its vector to device i, which holds
   AS(g_i, g_{P+i}); the P devices then run the tree. N = 1 is the identity.
 * Dot products and norms are accumulated in at least float32 (float64 for float64 input,
@@ -31,270 +34,26 @@ How gradcomm computes it:
   overflow. Scaling both operands leaves the coefficients unchanged.
 * A leaf whose |a|^2 is zero gets coefficient 1 for `a`, so AS(0, b) = b. A leaf with a
   non-finite value on any device is NaN on every device.
+
+The code: `gradcomm._adasum_pair` (the operator on fused buffers and its numerics),
+`gradcomm._adasum_rvhdd` (the tree across devices), this module (the public API).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _collectives, _flat, _numeric
-from gradcomm._flat import FlatLayout
-
-_NUM_STATS = 5  # scale_a, scale_b, a.b, a.a, b.b per leaf
+from gradcomm import _adasum_rvhdd, _axes, _checks, _flat, _numeric
+from gradcomm._adasum_pair import pair
 
 
 class AdasumState(NamedTuple):
     """State of `adasum`: empty; Adasum is stateless."""
-
-
-def _local_stats(own: jax.Array, other: jax.Array, layout: FlatLayout, ct: np.dtype) -> jax.Array:
-    """Per-leaf (scale_own, scale_other, own.other, own.own, other.other) here: `(5, leaves)`.
-
-    One pass sums the products and the L1 norms. Where every squared norm is zero or
-    within 2^(minexp/2) .. 2^(maxexp-28) of the compute dtype, nothing overflowed and what
-    underflowed is negligible, so the scales are 1 (0 for a zero leaf). Otherwise (tiny,
-    huge or non-finite values) a second pass divides by exact powers of two taken from
-    the per-leaf maxima.
-    """
-    info = jnp.finfo(ct)
-    x, y = own.astype(ct), other.astype(ct)
-    sums = layout.segment_sum([x * y, x * x, y * y, jnp.abs(x), jnp.abs(y)])
-    zero = sums[3:] == 0
-    squares = sums[1:3]
-    in_range = (squares >= 2.0 ** (info.minexp // 2)) & (squares <= 2.0 ** (info.maxexp - 28))
-
-    def unscaled() -> jax.Array:
-        return jnp.concatenate([jnp.where(zero, 0, 1).astype(ct), sums[:3]])
-
-    def scaled() -> jax.Array:
-        scale, inverse = _numeric.pow2_scale(layout.segment_max([jnp.abs(x), jnp.abs(y)]))
-        xs = x * layout.per_block(inverse[0])
-        ys = y * layout.per_block(inverse[1])
-        return jnp.concatenate([scale, layout.segment_sum([xs * ys, xs * xs, ys * ys])])
-
-    return lax.cond(jnp.all(zero | in_range), unscaled, scaled)
-
-
-def _merge_stats(stats: jax.Array) -> tuple[jax.Array, ...]:
-    """Per-leaf totals (Sa, Sb, a.b, a.a, b.b) over members `(members, 5, leaves)`.
-
-    Rescales each member's products to the group's largest scale; the ratios of powers of
-    two are exact and the sum runs in member order, so every member of a group computes
-    the same bits.
-    """
-    scale_a, scale_b, ab, aa, bb = (stats[:, i] for i in range(_NUM_STATS))
-    group_a, group_b = scale_a.max(0), scale_b.max(0)
-    wa = jnp.where(group_a > 0, scale_a / group_a, 0)
-    wb = jnp.where(group_b > 0, scale_b / group_b, 0)
-    return (
-        group_a,
-        group_b,
-        (wa * wb * ab).sum(0),
-        (wa * wa * aa).sum(0),
-        (wb * wb * bb).sum(0),
-    )
-
-
-def _coefficients(totals: tuple[jax.Array, ...]) -> jax.Array:
-    """Per leaf (D_a, f_a, k_a, D_b, f_b, k_b, S): AS(a, b) = S (t_a + t_b), where with
-    a_s = a / D_a the term is t_a = a_s - k_a a_s if f_a else -(k_a a_s).
-
-    eq. 8's `a` term is a (1 - c_a) for the coefficient c_a = a.b / (2|a|^2). With a' =
-    a / Sa and b' = b / Sb the scaled operands (Sa, Sb exact powers of two), c_a = q_a
-    (Sb / Sa) for q_a = a'.b' / (2|a'|^2), a number of order one at most 2 size. As
-    Horovod does, the coefficients come first and the scale last: both terms are formed
-    at the scale of S = max(Sa, Sb) (D_a = S, k_a = c_a), summed, and only the sum is
-    multiplied by S. So an intermediate that would fall below the normal range (the
-    correction term of a pair near the float minimum) is never formed, and only a result
-    that is itself subnormal can flush. Where c_a exceeds 2^64 (b larger than a by as
-    much), a (1 - c_a) / S is -q_a (a / Sa) to within 2^-64: D_a = Sa, k_a = q_a.
-
-    The division by an exact power of two is exact, and unlike a product it cannot be
-    contracted into a fused multiply-add: each term has one product (XLA:CPU contracts
-    `a_s - k a_s` into one FMA, the only one possible) and their sum has none. So every
-    device, and every compilation of the same step, computes the same bits. q_a = 0
-    where a is zero; everything is NaN for a leaf whose sums are not finite.
-    """
-    scale_a, scale_b, ab, aa, bb = totals
-    bad = jnp.where(jnp.isfinite(ab) & jnp.isfinite(aa) & jnp.isfinite(bb), 0, jnp.nan)
-    scale = jnp.maximum(scale_a, scale_b)
-
-    def positive(s: jax.Array) -> jax.Array:  # a divisor: a power of two, or 1 for zero
-        return jnp.where(s > 0, s, 1)
-
-    def term(q: jax.Array, own: jax.Array, other: jax.Array) -> list[jax.Array]:
-        c = q * other / positive(own)
-        first = jnp.abs(c) <= 2.0**64
-        return [
-            jnp.where(first, positive(scale), positive(own)),
-            jnp.where(first, 1, 0),
-            jnp.where(first, c, q) + bad,
-        ]
-
-    qa = jnp.where(aa > 0, ab / (2 * aa), 0)
-    qb = jnp.where(bb > 0, ab / (2 * bb), 0)
-    return jnp.stack([*term(qa, scale_a, scale_b), *term(qb, scale_b, scale_a), scale])
-
-
-# Index maps between (own, other) and (a, b) order, for the device whose own part is b.
-_SWAP_STATS = np.array([1, 0, 2, 4, 3], np.int32)
-_SWAP_COEFFICIENTS = np.array([3, 4, 5, 0, 1, 2, 6], np.int32)
-
-
-@jax.named_scope("combine")
-def _pair(
-    own: jax.Array,
-    other: jax.Array,
-    layout: FlatLayout,
-    own_is_b: jax.Array | bool = False,
-    group: Callable[[jax.Array], jax.Array] | None = None,
-    halves: bool = False,
-) -> Any:
-    """AS(a, b) leaf by leaf (eq. 8), where a group of devices may each hold a slice.
-
-    Args:
-      own, other: `(rows, blocks, block)` slices in the layout: this device's part, and the
-        part it received. Which of them is `a` (the lower-index operand) is `own_is_b`;
-        swapping per-leaf scalars rather than the slices keeps large selects off the path.
-      layout: the fused layout.
-      own_is_b: whether `own` is the `b` operand.
-      group: None when a and b are whole on this device; else a function from this
-        device's stats to those of every device that holds a slice of the pair, in
-        device order, `(members, 5, leaves)` (`_group_stats`).
-      halves: return the result's first and second halves of rows as two arrays.
-    """
-    ct = _axes.compute_dtype(own.dtype)
-    stats = _local_stats(own, other, layout, ct)
-    stats = jnp.where(own_is_b, stats[_SWAP_STATS], stats)
-    members = stats[None] if group is None else group(stats)
-    coef = _coefficients(_merge_stats(members))
-    coef = layout.per_block(jnp.where(own_is_b, coef[_SWAP_COEFFICIENTS], coef).T)
-
-    def combine(x: jax.Array, y: jax.Array) -> jax.Array:
-        x, y = x.astype(ct), y.astype(ct)
-        d_x, f_x, k_x, d_y, f_y, k_y, scale = (coef[..., i] for i in range(7))
-
-        def term(v: jax.Array, d: jax.Array, first: jax.Array, k: jax.Array) -> jax.Array:
-            v = v / d
-            return jnp.where(first > 0, v - k * v, -(k * v))
-
-        # The sum commutes bit for bit: both members of a pair compute the same result.
-        out = (term(x, d_x, f_x, k_x) + term(y, d_y, f_y, k_y)) * scale
-        return out.astype(own.dtype)
-
-    if not halves:
-        return combine(own, other)
-    # The next level keeps the first half of the rows and sends the second: computing
-    # them as two arrays lets the send buffer go to ppermute without a copy.
-    half = own.shape[0] // 2
-    return combine(own[:half], other[:half]), combine(own[half:], other[half:])
-
-
-def _bit_reversed(width: int) -> np.ndarray:
-    """i with its `width` low bits reversed, for i < 2**width."""
-    return np.array([int(f"{i:0{width}b}"[::-1], 2) if width else 0 for i in range(1 << width)])
-
-
-def _group_stats(
-    axis_name: _axes.AxisName,
-    size: int,
-    in_tree: int,
-    index: jax.Array,
-    pairwise: bool,
-    local_axis: _axes.AxisName | None = None,
-) -> Callable[[jax.Array], jax.Array]:
-    """Stats of the aligned group of `size` devices that holds one pair, in device order.
-
-    Over size-2 axes the group spans the pair axes of the distances below `size`, and one
-    all-gather over them collects it; otherwise all devices gather and each picks its group.
-    With `local_axis`, each group device's node-mates hold slices of the pair too: the
-    members are every (local device, group device), local-major, gathered in the same
-    all-gather where the axes are size-2 ones.
-    """
-    local = () if local_axis is None else _axes.axis_names(local_axis)
-    if pairwise:
-        axes = tuple(
-            _collectives.pair_axis(axis_name, 1 << j) for j in range(size.bit_length() - 1)
-        )
-        return lambda stats: lax.all_gather(stats, local + axes[::-1])
-
-    def gather(stats: jax.Array) -> jax.Array:
-        gathered = lax.all_gather(stats, axis_name)[:in_tree]
-        grouped = gathered.reshape(in_tree // size, size, *stats.shape)
-        members = lax.dynamic_index_in_dim(grouped, index // size, keepdims=False)
-        if not local:
-            return members
-        return lax.all_gather(members, local).reshape(-1, *stats.shape)
-
-    return gather
-
-
-def _adasum_fused(
-    leaves: list[jax.Array],
-    axis_name: _axes.AxisName,
-    n: int,
-    index: jax.Array,
-    pairwise: bool,
-    local_axis: _axes.AxisName | None = None,
-) -> list[jax.Array]:
-    """Adasum across the axis of same-dtype leaves, fused into one buffer (Algorithm 1).
-
-    Level j pairs device i with i ^ 2^j, which differ in bit j. Each device stores its
-    rows in the order p -> row i ^ bitreverse(p): at every level the rows it keeps are the
-    first half of its buffer and the rows it sends the second half, in the order its
-    partner keeps them; after the last level it holds row i. With `pairwise`, every swap
-    and the final gather are `_collectives.exchange`s over the size-2 axes.
-
-    With `local_axis` (L devices per node), the buffer has L times the rows: a
-    reduce-scatter over the node leaves each local device the node's mean of 1/L of
-    every leaf, the tree runs on those slices with per-leaf statistics gathered over the
-    local devices too, and an all-gather within the node reassembles the result. So
-    each of a node's L devices sends 1/L of the Adasum traffic across nodes.
-    """
-    in_tree = 1 << (n.bit_length() - 1)
-    levels = in_tree.bit_length() - 1
-    folded = n - in_tree
-    per_node = 1 if local_axis is None else _axes.axis_size(local_axis)
-    layout = FlatLayout.of([leaf.shape for leaf in leaves], rows=in_tree * per_node)
-    x = layout.pack(leaves, leaves[0].dtype)
-    if local_axis is not None:
-        x = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True) / per_node
-    if folded:
-        partner = _collectives.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
-        whole = None if local_axis is None else lambda stats: lax.all_gather(stats, local_axis)
-        x = lax.cond(index < folded, lambda: _pair(x, partner, layout, group=whole), lambda: x)
-    if levels:
-        rows = (index % in_tree) ^ jnp.asarray(_bit_reversed(levels), index.dtype)
-        own, send = (jnp.take(x, r, axis=0, mode="clip") for r in jnp.split(rows, 2))
-    for level in range(levels):
-        distance = 1 << level
-        own_is_b = (index >> level) & 1 == 1
-        with jax.named_scope("exchange"):
-            if pairwise:
-                received = _collectives.exchange(send, axis_name, distance)
-            else:
-                pairs = [(i, i ^ distance) for i in range(in_tree)]
-                received = _collectives.ppermute(send, axis_name, pairs)
-        group = _group_stats(axis_name, 2 * distance, in_tree, index, pairwise, local_axis)
-        if level + 1 < levels:
-            own, send = _pair(own, received, layout, own_is_b, group, halves=True)
-        else:
-            x = _pair(own, received, layout, own_is_b, group)
-    with jax.named_scope("gather"):
-        if pairwise:
-            rows = _collectives.all_gather_pairwise(x[0], axis_name)
-        else:
-            rows = _collectives.all_gather_invariant(x[0], axis_name)[:in_tree]
-        if local_axis is not None:
-            rows = _collectives.all_gather_invariant(rows, local_axis, tiled=True)
-    return layout.unpack(rows)
 
 
 def adasum_reduce(
@@ -345,17 +104,16 @@ def adasum_reduce(
     _axes.check_exchange(exchange)
     every_axis = _axes.axis_names(axis_name) + _axes.axis_names(local_axis or ())
     _checks.check_updates(tree, every_axis, "adasum")
-    n = _axes.axis_size(axis_name)
+    in_tree = 1 << (_axes.axis_size(axis_name).bit_length() - 1)
+    per_node = 1 if local_axis is None else _axes.axis_size(local_axis)
     index = _axes.axis_index(axis_name)
     pairwise = _axes.use_pairwise(axis_name, exchange, "adasum")
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out = [jnp.zeros(leaf.shape, leaf.dtype) for leaf in leaves]  # empty leaves stay empty
-    for ids in _flat.dtype_groups(leaves):
-        group = [leaves[i] for i in ids]
-        results = _adasum_fused(group, axis_name, n, index, pairwise, local_axis)
-        for i, result in zip(ids, results, strict=True):
-            out[i] = result
-    return jax.tree_util.tree_unflatten(treedef, out)
+    flat = _flat.FlatBuffers.of(tree, rows=in_tree * per_node)
+    results = [
+        _adasum_rvhdd.reduce_buffer(x, layout, axis_name, index, pairwise, local_axis)
+        for x, layout in zip(flat.pack(tree), flat.layouts, strict=True)
+    ]
+    return flat.unpack(results)  # empty leaves are zeros
 
 
 def adasum_pair(a: Any, b: Any) -> Any:
@@ -391,15 +149,9 @@ def adasum_pair(a: Any, b: Any) -> Any:
                 f"adasum_pair needs leaves of equal shape and dtype, got "
                 f"{x.dtype}{list(x.shape)} and {y.dtype}{list(y.shape)}"
             )
-    out = list(a_leaves)
-    for ids in _flat.dtype_groups(a_leaves):
-        layout = FlatLayout.of([a_leaves[i].shape for i in ids], rows=1)
-        dtype = a_leaves[ids[0]].dtype
-        x = layout.pack([a_leaves[i] for i in ids], dtype)
-        y = layout.pack([b_leaves[i] for i in ids], dtype)
-        for i, result in zip(ids, layout.unpack(_pair(x, y, layout)), strict=True):
-            out[i] = result
-    return jax.tree_util.tree_unflatten(treedef, out)
+    flat = _flat.FlatBuffers.of(a)
+    buffers = zip(flat.pack(a), flat.pack(b), flat.layouts, strict=True)
+    return flat.unpack([pair(x, y, layout) for x, y, layout in buffers])
 
 
 def orthogonality(

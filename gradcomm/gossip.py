@@ -19,7 +19,6 @@ where w stays 1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -27,34 +26,40 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _collectives, _flat, _schedule, wire
+from gradcomm import _axes, _checks, _flat, _pushsum, _schedule, wire
 from gradcomm import topology as topologies
-from gradcomm._flat import FlatLayout
-
-TopologySpec = topologies.Name | topologies.Topology | Callable[[int], topologies.Topology]
+from gradcomm._pushsum import TopologySpec
 
 
 class SgpState(NamedTuple):
     """State of `sgp`: step counter, push-sum weight, and tau messages in flight.
 
-    `in_flight` holds, per delay slot, the numerator (a tuple of tau params-shaped trees,
-    so `optax.tree_map_params` sees each as params) and `in_flight_weight` the weight
-    (shape (tau,)) received but not yet mixed in; slot 0 is mixed in next. With
-    `overlap=0` nothing is ever in flight and both are empty tuples `()`, leafless pytree
-    nodes that checkpoints (orbax) save and restore, where zero-size arrays would not save.
+    The messages received but not yet mixed in stay as they travelled: `in_flight` holds
+    tau slots, each a tuple of flat arrays, one per dtype of the params (the zero-padded
+    fused buffers of `gradcomm._flat.FlatBuffers`), and `in_flight_weight` their weights,
+    shape `(tau,)`; slot 0 is mixed in next. With `overlap=0` nothing is ever in flight
+    and both are empty tuples `()`, leafless pytree nodes that checkpoints (orbax) save
+    and restore, where zero-size arrays would not save.
+
+    The buffers are not shaped like the params, so `optax.tree_map_params` leaves them as
+    they are. It builds a state from leafless placeholder params and needs it to be a
+    prefix of the real one: for params with no elements, each slot is a zero scalar.
 
     Example:
       >>> import jax.numpy as jnp, gradcomm
       >>> gradcomm.sgp("data").init(jnp.zeros(3)).in_flight
       ()
-      >>> state = gradcomm.sgp("data", overlap=2).init(jnp.zeros(3))
-      >>> [slot.shape for slot in state.in_flight], state.in_flight_weight.shape
-      ([(3,), (3,)], (2,))
+      >>> params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3), "h": jnp.zeros(4, jnp.bfloat16)}
+      >>> state = gradcomm.sgp("data", overlap=2).init(params)
+      >>> [[(x.shape, x.dtype.name) for x in slot] for slot in state.in_flight]
+      [[((9,), 'float32'), ((4,), 'bfloat16')], [((9,), 'float32'), ((4,), 'bfloat16')]]
+      >>> state.in_flight_weight.shape
+      (2,)
     """
 
     count: jax.Array
     weight: jax.Array
-    in_flight: Any
+    in_flight: tuple[tuple[jax.Array, ...] | jax.Array, ...]
     in_flight_weight: jax.Array | tuple[()]
 
 
@@ -64,87 +69,11 @@ class DpsgdState(NamedTuple):
     count: jax.Array
 
 
-@jax.named_scope("exchange")
-def _mix(
-    x: list[jax.Array], w: jax.Array, graph: topologies.Topology, count: jax.Array,
-    axis_name: _axes.AxisName, pairwise: bool, summed: bool,
-) -> tuple[Any, ...]:  # fmt: skip
-    """One PushSum step of the graph's phase for `count`.
-
-    Returns the (kept, received) shares of x and w, `(kept, received, kept_w, received_w)`,
-    or with `summed` only their sums, `(mixed, mixed_w)`. With `pairwise`, a move that
-    swaps every device i with i ^ d goes over the one size-2 axis that pairs them (see
-    `_axes.use_pairwise`): a phase that is that one move and whose sum is all that is
-    wanted is a two-member `psum`, the pair's sum, the same bits on both devices and on
-    gloo the fastest exchange; any other such move is a two-member `_collectives.exchange`. The
-    rest are `ppermute`s.
-    """
-
-    def send(v: jax.Array, move: topologies.Move) -> jax.Array:
-        distance = topologies.swap_distance(move) if pairwise else None
-        if distance is not None:
-            return _collectives.exchange(v, axis_name, distance)
-        return _collectives.ppermute(v, axis_name, list(enumerate(move)))
-
-    def phase(moves: tuple[topologies.Move, ...]) -> tuple[Any, ...]:
-        share = 1.0 / (len(moves) + 1)
-        kept = [v * share for v in x]
-        distance = topologies.swap_distance(moves[0]) if pairwise and len(moves) == 1 else None
-        if summed and distance is not None:
-            axis = _collectives.pair_axis(axis_name, distance)
-
-            def pair_sum(v: jax.Array) -> jax.Array:
-                return _axes.vary(lax.psum(_axes.vary(v, axis_name), axis), axis_name)
-
-            return [pair_sum(v) for v in kept], pair_sum(w * share)
-        received = [jnp.zeros_like(v) for v in x]
-        received_w = jnp.zeros_like(w)
-        for move in moves:
-            for j, v in enumerate(kept):
-                received[j] = received[j] + send(v, move)
-            received_w = received_w + send(w * share, move)
-        if summed:
-            return [k + r for k, r in zip(kept, received, strict=True)], w * share + received_w
-        return kept, received, w * share, received_w
-
-    num = graph.num_phases
-    if num == 1:
-        return phase(graph.phases[0])
-    branches = [
-        wire.branch(f"phase {k}", every=num)(functools.partial(phase, moves))
-        for k, moves in enumerate(graph.phases)
-    ]
-    return lax.switch(count % num, branches)
-
-
 def _weight_dtype(params: Any) -> jax.typing.DTypeLike:
     """The push-sum weight's dtype: the widest accumulation dtype of the params (float64
     params keep a float64 weight; float32, bfloat16 and float16 ones a float32 one)."""
     dtypes = [_axes.compute_dtype(jnp.result_type(p)) for p in jax.tree.leaves(params)]
     return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
-
-
-def _pack(tree: Any) -> tuple[list[FlatLayout], list[list[int]], list[jax.Array]]:
-    """Leaves fused into one flat buffer per dtype, so each move is one collective per dtype."""
-    leaves = jax.tree.leaves(tree)
-    groups = _flat.dtype_groups(leaves)
-    layouts = [FlatLayout.of([leaves[i].shape for i in ids], rows=1) for ids in groups]
-    buffers = [
-        layout.pack([leaves[i] for i in ids], leaves[ids[0]].dtype)
-        for layout, ids in zip(layouts, groups, strict=True)
-    ]
-    return layouts, groups, buffers
-
-
-def _unpack(
-    template: Any, layouts: list[FlatLayout], groups: list[list[int]], buffers: list[jax.Array]
-) -> Any:
-    leaves, treedef = jax.tree.flatten(template)
-    out = list(leaves)
-    for layout, ids, buffer in zip(layouts, groups, buffers, strict=True):
-        for i, leaf in zip(ids, layout.unpack(buffer), strict=True):
-            out[i] = leaf
-    return jax.tree.unflatten(treedef, out)
 
 
 def sgp(
@@ -223,9 +152,15 @@ def sgp(
     def init_fn(params: Any) -> SgpState:
         dtype = _weight_dtype(params)
         if overlap:
-            slots = tuple(
-                jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params) for _ in range(overlap)
-            )
+            flat = _flat.FlatBuffers.of(params)
+            sizes = [layout.padded_size for layout in flat.layouts]
+
+            def slot() -> Any:
+                if not flat.groups:  # nothing to send: a scalar stands in (see SgpState)
+                    return jnp.zeros([], dtype)
+                return tuple(jnp.zeros(s, d) for s, d in zip(sizes, flat.dtypes, strict=True))
+
+            slots = tuple(slot() for _ in range(overlap))
             slots_w = jnp.zeros([overlap], dtype)
         else:  # nothing in flight: no arrays (zero-size ones do not checkpoint)
             slots, slots_w = (), ()
@@ -236,16 +171,9 @@ def sgp(
             in_flight_weight=slots_w,
         )
 
-    @jax.named_scope("gradcomm.sgp")
-    def update_fn(
-        updates: Any, state: SgpState, params: Any = None, **extra_args: Any
+    def step(
+        updates: Any, state: SgpState, params: Any, graph: topologies.Topology, pairwise: bool
     ) -> tuple[Any, SgpState]:
-        del extra_args
-        _checks.require_params(params, "sgp")
-        _checks.check_updates(updates, axis_name, "sgp")
-        n = _axes.axis_size(axis_name)
-        graph = topologies.resolve(topology, n)
-        pairwise = _axes.use_pairwise(axis_name, exchange, "sgp")
         w = jnp.ones([], state.weight.dtype) if biased else state.weight
 
         def scaled(z: jax.Array, u: jax.Array) -> jax.Array:
@@ -253,19 +181,26 @@ def sgp(
             return (z.astype(ct) * w.astype(ct) + u.astype(ct)).astype(z.dtype)
 
         x = jax.tree.map(scaled, params, updates)
-        layouts, groups, buffers = _pack(x)
+        flat = _flat.FlatBuffers.of(x)
+        buffers = flat.pack(x)
 
         def gossip() -> tuple[list[jax.Array], jax.Array, Any, jax.Array]:
             if not overlap:
-                mixed, mixed_w = _mix(buffers, w, graph, state.count, axis_name, pairwise, True)
+                mixed, mixed_w = _pushsum.mix(
+                    buffers, w, graph, state.count, axis_name, pairwise, True
+                )
                 return mixed, mixed_w, state.in_flight, state.in_flight_weight
-            kept, received, kept_w, received_w = _mix(
+            kept, received, kept_w, received_w = _pushsum.mix(
                 buffers, w, graph, state.count, axis_name, pairwise, False
             )
-            arriving = _pack(state.in_flight[0])[2]
-            mixed = [k + a for k, a in zip(kept, arriving, strict=True)]
+            # Slot 0 arrives, and what was just received joins the back of the queue, both
+            # as the flat buffers they travel as; the other slots move up unchanged.
+            mixed, queue = [], state.in_flight  # without buffers (see SgpState)
+            if flat.groups:
+                arriving = state.in_flight[0]
+                mixed = [k + a.reshape(k.shape) for k, a in zip(kept, arriving, strict=True)]
+                queue = (*state.in_flight[1:], tuple(r.reshape(-1) for r in received))
             mixed_w = kept_w + state.in_flight_weight[0]
-            queue = (*state.in_flight[1:], _unpack(x, layouts, groups, received))
             queue_w = jnp.concatenate([state.in_flight_weight[1:], received_w[None]])
             return mixed, mixed_w, queue, queue_w
 
@@ -286,7 +221,7 @@ def sgp(
             )
         else:
             mixed, new_w, queue, queue_w = gossip()
-        x_new = _unpack(x, layouts, groups, mixed)
+        x_new = flat.unpack(mixed)
         divisor = jnp.ones([], new_w.dtype) if biased else new_w
 
         def unscaled(v: jax.Array) -> jax.Array:
@@ -303,7 +238,7 @@ def sgp(
         )
         return delta, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _pushsum.transformation("sgp", axis_name, topology, exchange, init_fn, step)
 
 
 def dpsgd(
@@ -353,26 +288,20 @@ def dpsgd(
         del params
         return DpsgdState(count=_schedule.zero_count())
 
-    @jax.named_scope("gradcomm.dpsgd")
-    def update_fn(
-        updates: Any, state: DpsgdState, params: Any = None, **extra_args: Any
+    def step(
+        updates: Any, state: DpsgdState, params: Any, graph: topologies.Topology, pairwise: bool
     ) -> tuple[Any, DpsgdState]:
-        del extra_args
-        _checks.require_params(params, "dpsgd")
-        _checks.check_updates(updates, axis_name, "dpsgd")
-        graph = topologies.resolve(topology, _axes.axis_size(axis_name))
         if not (graph.is_symmetric() and graph.is_doubly_stochastic()):
             raise ValueError(f"dpsgd needs a symmetric topology, got {graph.name}")
         x = jax.tree.map(jnp.add, params, updates)
-        layouts, groups, buffers = _pack(x)
+        flat = _flat.FlatBuffers.of(x)
         one = jnp.ones([], jnp.float32)
-        pairwise = _axes.use_pairwise(axis_name, exchange, "dpsgd")
-        mixed, _ = _mix(buffers, one, graph, state.count, axis_name, pairwise, True)
-        mixed = _unpack(x, layouts, groups, mixed)
+        mixed, _ = _pushsum.mix(flat.pack(x), one, graph, state.count, axis_name, pairwise, True)
+        mixed = flat.unpack(mixed)
         delta = jax.tree.map(jnp.subtract, mixed, params)
         return delta, DpsgdState(count=optax.safe_increment(state.count))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _pushsum.transformation("dpsgd", axis_name, topology, exchange, init_fn, step)
 
 
 def consensus_distance(params: Any, axis_name: _axes.AxisName = "data") -> jax.Array:

@@ -333,3 +333,21 @@ def test_hierarchical_sends_one_share_of_the_flat_traffic_across_nodes():
     big = lambda c: c.payload > 1024  # noqa: E731  (not the per-leaf statistics)
     across = sum(c.sent for c in hierarchical.collectives if c.group_size != 2 and big(c))
     assert across == sum(c.sent for c in flat.collectives if big(c)) / 2
+
+
+@pytest.mark.parametrize("n", [6, 8])
+def test_statistics_travel_only_within_each_level_group(n):
+    """Level j's per-leaf statistics (5 float32 per leaf per member) go only to its group
+    of 2^(j+1) devices: each device sends 2^(j+1) - 1 members' worth, whatever N."""
+    shapes = [(4096,), (300,), (7,)]
+    mesh = mesh_of(n)
+    sharding = jax.sharding.NamedSharding(mesh, P("data"))
+    tree = [jax.ShapeDtypeStruct((n, *s), np.float32, sharding=sharding) for s in shapes]
+    body = lambda t: gradcomm.adasum_reduce([x[0] for x in t], "data")  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    report = gradcomm.wire.measure(f, tree)
+    stats = [c for c in report.collectives if c.payload < 1024]  # the data moves in KiBs
+    member = 5 * len(shapes) * 4
+    levels = n.bit_length() - 1  # of the tree over the 2^floor(log2 n) devices
+    assert sum(c.sent for c in stats) == sum((2 ** (j + 1) - 1) * member for j in range(levels))
+    assert {c.kind for c in stats} == {"collective-permute"}

@@ -125,8 +125,8 @@ def test_state_checkpoints_and_restores_bit_identically(tmp_path, method):
     if method == "local_sgd":  # and the restored count made the third step average them
         w1 = np.asarray(p["w1"])
         assert all(np.array_equal(w1[0], w1[i]) for i in range(N))
-    if method == "sgp1":  # a message in flight
-        assert np.abs(np.asarray(saved[1][1].in_flight[0]["w1"])).sum() > 0
+    if method == "sgp1":  # a message in flight (packed: one flat buffer per dtype)
+        assert np.abs(np.asarray(saved[1][1].in_flight[0][0])).sum() > 0
     if method == "sgp0":  # nothing in flight, and no arrays for it
         assert saved[1][1].in_flight == () and restored["state"][1].in_flight == ()
 

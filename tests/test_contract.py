@@ -464,7 +464,7 @@ def test_zero_gradients_and_odd_leaves(name, context, n):
 # optax.tree_map_params
 
 
-TREE_MAP_XFAILS: dict[str, str] = {}  # sgp's in-flight slots are params-shaped trees
+TREE_MAP_XFAILS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(
@@ -491,8 +491,8 @@ def test_tree_map_params_maps_the_param_shaped_state(name):
     mapped = optax.tree_map_params(tx, f, state, params)
     assert jax.tree.structure(mapped) == jax.tree.structure(state)
     assert all(leaf == param for leaf, param in seen), seen
-    shaped = [jax.tree_util.GetAttrKey(k) for k in ("residual", "in_flight")]
-    param_like = [getattr(state, k.name, None) for k in shaped]  # sgp's slots are params too
+    shaped = [jax.tree_util.GetAttrKey(k) for k in ("residual",)]
+    param_like = [getattr(state, k.name, None) for k in shaped]  # sgp's slots are packed
     assert len(seen) == len(jax.tree.leaves(param_like))
     for (path, got), want in zip(
         jax.tree_util.tree_leaves_with_path(mapped), jax.tree.leaves(state), strict=True

@@ -1,10 +1,12 @@
 """The fused flat layout: packing round trips and per-leaf reductions."""
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from gradcomm._flat import FlatLayout
+from gradcomm._flat import FlatBuffers, FlatLayout
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
@@ -39,3 +41,28 @@ def test_block_size_keeps_padding_small():
 def test_rejects_empty_layouts():
     with pytest.raises(ValueError, match="cannot lay out"):
         FlatLayout.of([(0,)], rows=2)
+
+
+def test_flat_buffers_one_per_dtype_round_trip():
+    """Leaves of each dtype share one buffer, in first-seen order; empty leaves come back
+    as zeros; a buffer unpacks from any shape of its size (a flat one)."""
+    rng = np.random.default_rng(1)
+    tree = {
+        "a": rng.standard_normal((4, 3)).astype(np.float32),
+        "b": rng.standard_normal(5).astype(ml_dtypes.bfloat16),
+        "c": [rng.standard_normal(()).astype(np.float32), np.zeros((2, 0), np.float16)],
+        "d": rng.standard_normal(9).astype(ml_dtypes.bfloat16),
+    }
+    flat = FlatBuffers.of(tree, rows=2)
+    assert flat.groups == ((0, 2), (1, 4))  # a, c[0] in float32; b, d in bfloat16
+    assert [np.dtype(d) for d in flat.dtypes] == [np.float32, ml_dtypes.bfloat16]
+    buffers = flat.pack(tree)
+    assert [b.shape for b in buffers] == [layout.shape for layout in flat.layouts]
+    assert [b.dtype for b in buffers] == list(flat.dtypes)
+    for back in (flat.unpack(buffers), flat.unpack([b.reshape(-1) for b in buffers])):
+        assert jax.tree.structure(back) == jax.tree.structure(tree)
+        for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError):
+        flat.pack({"a": tree["a"]})  # another structure

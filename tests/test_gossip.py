@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -11,7 +12,7 @@ from helpers import mesh_of, model_bytes, per_device, wire_against_psum
 from jax import lax
 
 import gradcomm
-from gradcomm import parallel, topology
+from gradcomm import _flat, parallel, topology
 
 
 @functools.cache
@@ -26,8 +27,10 @@ def gossip_fn(steps, **kwargs):
             z, state = carry
             delta, state = tx.update(jnp.zeros_like(z), state, z)
             z = z + delta
-            if kwargs.get("overlap"):
-                flight, flight_w = sum(state.in_flight), jnp.sum(state.in_flight_weight)
+            if kwargs.get("overlap"):  # the slots' flat buffers, summed, as params
+                summed = [sum(xs) for xs in zip(*state.in_flight, strict=True)]
+                flight = _flat.FlatBuffers.of(z).unpack(summed)
+                flight_w = jnp.sum(state.in_flight_weight)
             else:  # nothing in flight: the state holds no in-flight arrays
                 flight, flight_w = jnp.zeros_like(z), jnp.zeros([], state.weight.dtype)
             return (z, state), (z, state.weight, flight, flight_w)
@@ -194,7 +197,7 @@ def test_state_errors_and_arguments():
             gradcomm.sgp("data", **kwargs)
     tx = gradcomm.sgp("data", overlap=2)
     state = tx.init({"w": jnp.ones(3)})
-    assert [q["w"].shape for q in state.in_flight] == [(3,), (3,)]
+    assert [[x.shape for x in slot] for slot in state.in_flight] == [[(3,)], [(3,)]]  # packed
     assert state.in_flight_weight.shape == (2,)
     state = gradcomm.sgp("data").init({"w": jnp.ones(3)})
     assert state.in_flight == () and state.in_flight_weight == ()  # no zero-size arrays
@@ -203,6 +206,48 @@ def test_state_errors_and_arguments():
     with pytest.raises(ValueError, match="needs params"):
         d = gradcomm.dpsgd("data")
         jax.vmap(lambda g: d.update(g, d.init(g)), axis_name="data")(jnp.ones((2, 3)))
+
+
+def first_step_in_flight(z):
+    tx = gradcomm.sgp("data", overlap=2)
+    state = jax.tree.map(lambda v: lax.pcast(v, "data", to="varying"), tx.init(z))
+    _, state = tx.update(jax.tree.map(jnp.zeros_like, z), state, z)
+    return state.in_flight
+
+
+def test_in_flight_messages_stay_packed_per_dtype():
+    """The state keeps each slot as the flat buffers it travelled as, one per dtype: after
+    one step of the exponential graph (i -> i + 1) slot 1 holds half the in-peer's x."""
+    n = 4
+    rng = np.random.default_rng(5)
+    z = {
+        "w": rng.standard_normal((n, 3, 2)).astype(np.float32),
+        "h": rng.standard_normal((n, 5)).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal((n, 4)).astype(np.float32),
+    }
+    slots = per_device(first_step_in_flight, n, z)
+    flat = _flat.FlatBuffers.of(jax.tree.map(lambda x: x[0], z))
+    sizes = [layout.padded_size for layout in flat.layouts]
+    packed = [((n, size), dtype) for size, dtype in zip(sizes, flat.dtypes, strict=True)]
+    assert [[(x.shape, x.dtype) for x in slot] for slot in slots] == [packed, packed]
+    sent = {k: np.roll(v, 1, axis=0) / 2 for k, v in z.items()}  # device i - 1's share
+    for i in range(n):
+        assert not any(x[i].any() for x in slots[0])  # nothing was sent 2 steps ago
+        received = flat.unpack([x[i] for x in slots[1]])
+        jax.tree.map(np.testing.assert_array_equal, received, {k: v[i] for k, v in sent.items()})
+
+
+def test_tree_map_params_leaves_the_packed_messages_alone():
+    """The in-flight buffers are not params-shaped: `optax.tree_map_params` (which builds
+    a state from leafless placeholder params) maps nothing in SGP's state and keeps it."""
+    tx = optax.chain(optax.sgd(0.1, momentum=0.9), gradcomm.sgp("data", overlap=2))
+    params = {"w": jnp.ones((2, 3)), "h": jnp.ones(4, jnp.bfloat16)}
+    state = tx.init(params)
+    mapped = optax.tree_map_params(tx, lambda leaf, p: leaf + p, state, params)
+    jax.tree.map(np.testing.assert_array_equal, mapped[1], state[1])  # sgp's state as it was
+    np.testing.assert_array_equal(mapped[0][0].trace["w"], params["w"])  # momentum: mapped
+    empty = gradcomm.sgp("data", overlap=2).init({})  # nothing to send: a scalar per slot
+    assert [np.shape(slot) for slot in empty.in_flight] == [(), ()]
 
 
 def consensus_fn(z):

@@ -146,10 +146,12 @@ def test_adasum_sends_about_what_psum_sends():
     adasum = wire.measure(mapped(lambda t: gradcomm.adasum_reduce(t, "data")), tree)
     assert psum.total == pytest.approx(2 * 7 / 8 * size)
     assert adasum.total <= 1.1 * psum.total
-    # Per level: one ppermute and one small all-gather of 5 scalars per leaf per device.
-    stats = [c for c in adasum.collectives if c.kind == "all-gather" and c.payload < 10_000]
-    assert len(stats) == 3
-    assert all(c.payload == n * 5 * len(shapes) * 4 for c in stats)
+    # Per level j: the 5 scalars per leaf of each member of the level's group of 2^(j+1),
+    # gathered by recursive doubling within the group (d members at distance d).
+    stats = [c for c in adasum.collectives if c.payload < 10_000]
+    assert all(c.kind == "collective-permute" for c in stats)
+    want = [d * 5 * len(shapes) * 4 for d in (1, 1, 2, 1, 2, 4)]
+    assert sorted(c.payload for c in stats) == sorted(want)
 
 
 def test_collectives_do_not_grow_with_the_number_of_leaves():
@@ -165,7 +167,8 @@ def test_collectives_do_not_grow_with_the_number_of_leaves():
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
         return len(wire.measure(f, tree).collectives)
 
-    assert count(2) == count(200) == 3 + 3 + 1  # ppermutes, stats gathers, final gather
+    # halving ppermutes, the levels' stats swaps (1 + 2 + 3), the final gather
+    assert count(2) == count(200) == 3 + (1 + 2 + 3) + 1
 
 
 def test_measure_a_train_step():
