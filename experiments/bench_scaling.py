@@ -1,0 +1,286 @@
+#!/usr/bin/env python
+"""Cost against the number of devices N of the sparse exchange and of Adasum's statistics.
+
+    python experiments/bench_scaling.py                  # N = 1 .. 8, about two minutes
+    python experiments/bench_scaling.py --sizes 1000000 --density 0.001 --repeats 50
+    git worktree add /tmp/before HEAD && cd /tmp/before && \\
+        PYTHONPATH=/tmp/before python /path/to/bench_scaling.py --out /tmp/scaling_before
+
+For each N = 1 .. --devices (simulated CPU devices, one mesh axis "data"):
+
+* sparse: `gradcomm.sparse.sum_sparse`, the exchange under `gradcomm.lags` and
+  `gradcomm.gradient_dropping`, divided by N (the mean), on fixed (value, index) pairs:
+  k = density * size per leaf, a share --overlap of each device's indices common to all
+  devices (top-k indices of correlated gradients repeat across devices), the rest drawn
+  at random. Reported from the compiled program: its scatter instructions, how many of
+  them run per call (a while loop's body counted its trip count times), its while loops
+  and sorts; the bytes each device sends (`gradcomm.wire`); the median time of a call;
+  and the median time of a whole `gradcomm.lags` update of the same leaves.
+* adasum: `gradcomm.adasum_reduce` of a tree of the same leaves: the bytes each device
+  sends per level of the tree, split into the exchange of halves and the per-leaf
+  statistics (the collectives' named scopes, `exchange` and `combine`, say which is
+  which; `gradcomm.wire` says their bytes), and the median time of a call.
+
+The simulated devices share the host's cores, so every time includes N devices' worth
+of per-device work: compare times at one N, or before and after a change at each N.
+
+Only gradcomm's public API is used (`gradcomm.sparse`, `gradcomm.lags`,
+`gradcomm.adasum_reduce`, `gradcomm.wire`, `gradcomm.parallel`), so the same script
+measures another checkout of the library put first on PYTHONPATH (the JSON records
+which one). Writes bench_scaling.json and bench_scaling.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\s([a-z][a-z0-9-]*)\(")
+_CALLEES = re.compile(
+    r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation|"
+    r"false_computation)=(\{[^}]*\}|%[^\s,]+)"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def hlo_ops(text: str) -> dict[str, Any]:
+    """Scatter, gather, sort and while instructions of an optimized HLO module.
+
+    `runs` counts each op as often as it runs per call: a computation runs as often as
+    its callers, times the trip count for a while loop's body (an unknown trip count
+    counts once and sets `exact` to False).
+    """
+    ops: dict[str, collections.Counter[str]] = {}
+    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    entry, current, exact = "", "", True
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(1)
+            ops[current] = collections.Counter()
+            entry = current if line.startswith("ENTRY") else entry
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if not instruction or not current:
+            continue
+        op = instruction.group(2)
+        ops[current][op] += 1
+        trips = 1
+        if op == "while":
+            found = _TRIP_COUNT.search(line)
+            exact = exact and found is not None
+            trips = int(found.group(1)) if found else 1
+        for group in _CALLEES.findall(line):
+            for callee in re.findall(r"%([^\s,}]+)", group):
+                calls[current].append((callee, trips))
+    runs: collections.Counter[str] = collections.Counter()
+
+    def visit(computation: str, times: int) -> None:
+        for op, count in ops.get(computation, {}).items():
+            runs[op] += count * times
+        for callee, trips in calls[computation]:
+            visit(callee, times * trips)
+
+    visit(entry, 1)
+    static: collections.Counter[str] = sum(ops.values(), collections.Counter())
+    kinds = ("scatter", "gather", "sort", "while")
+    return {
+        **{k: static[k] for k in kinds},
+        **{f"{k}_runs": runs[k] for k in kinds},
+        "exact": exact,
+    }
+
+
+def median_seconds(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def device_pairs(
+    n: int, size: int, k: int, overlap: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(n, k)` float32 values and int32 indices, distinct within each device's row."""
+    common = rng.choice(size, min(k, round(overlap * k)), replace=False)
+    rows = []
+    for _ in range(n):
+        drawn = rng.choice(size, min(size, 2 * k + common.size), replace=False)
+        others = np.setdiff1d(drawn, common)
+        rows.append(rng.permutation(np.concatenate([common, others[: k - common.size]])))
+    return rng.standard_normal((n, k)).astype(np.float32), np.stack(rows).astype(np.int32)
+
+
+def phase_of(op_name: str) -> str:
+    """The Adasum phase a collective belongs to, from its named scopes."""
+    parts = op_name.split("/")
+    for phase in ("exchange", "combine", "gather"):
+        if phase in parts:
+            return phase
+    return "fold"
+
+
+def adasum_levels(report: Any, text: str) -> dict[str, Any]:
+    """Bytes one device sends per level (exchange and statistics), plus fold and gather.
+
+    `report.collectives` are in program order; a level starts at each exchange.
+    """
+    scopes = {}
+    for line in text.splitlines():
+        instruction, name = _INSTRUCTION.match(line), _OP_NAME.search(line)
+        if instruction and name:
+            scopes[instruction.group(1)] = name.group(1)
+    levels: list[dict[str, Any]] = []
+    other = {"fold": 0.0, "gather": 0.0}
+    for c in report.collectives:
+        phase = phase_of(scopes.get(c.name, ""))
+        if phase == "exchange":
+            levels.append({"exchange_bytes": 0.0, "stats_bytes": 0.0, "stats": []})
+        if phase == "exchange" or (phase == "combine" and levels):
+            key = "exchange_bytes" if phase == "exchange" else "stats_bytes"
+            levels[-1][key] += c.sent
+            if phase == "combine":
+                levels[-1]["stats"].append({"kind": c.kind, "group": c.group_size, "sent": c.sent})
+        else:
+            other["gather" if phase == "gather" else "fold"] += c.sent
+    return {"levels": levels, **{f"{k}_bytes": v for k, v in other.items()}}
+
+
+def measure(n: int, args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    import gradcomm
+    from gradcomm import parallel, sparse, wire
+
+    mesh = parallel.make_mesh({"data": n}, devices=jax.devices()[:n])
+    sharding = NamedSharding(mesh, P("data"))
+
+    def mapped(fn: Callable[..., Any]) -> Any:
+        def body(*trees: Any) -> Any:
+            return fn(*jax.tree.map(lambda x: x[0], trees))
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+    rng = np.random.default_rng(args.seed + n)
+    ks = [sparse.num_kept(size, args.density) for size in sizes]
+    pairs = [device_pairs(n, size, k, args.overlap, rng) for size, k in zip(sizes, ks, strict=True)]
+    placed = jax.device_put(pairs, sharding)
+
+    def exchange(sent: list[tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+        return sparse.sum_sparse(sent, sizes, "data", divide_by=n)
+
+    fn = mapped(exchange)
+    text = fn.lower(placed).compile().as_text()
+    row: dict[str, Any] = {"n": n, "k": ks, **hlo_ops(text)}
+    row["bytes"] = wire.analyze_hlo(text).total
+    row["seconds"] = median_seconds(fn, (placed,), args.repeats)
+    updates = jax.device_put(
+        [rng.standard_normal((n, size)).astype(np.float32) for size in sizes], sharding
+    )
+    tx = gradcomm.lags("data", density=args.density)
+    lags = mapped(lambda u: tx.update(u, tx.init(u))[0])
+    row["lags_seconds"] = median_seconds(lags, (updates,), args.repeats)
+
+    combine = mapped(lambda tree: gradcomm.adasum_reduce(tree, "data"))
+    text = combine.lower(updates).compile().as_text()
+    report = wire.analyze_hlo(text)
+    adasum = {"n": n, **adasum_levels(report, text), "bytes": report.total}
+    adasum["seconds"] = median_seconds(combine, (updates,), args.repeats)
+    return {"sparse": row, "adasum": adasum}
+
+
+def tables(result: dict[str, Any]) -> str:
+    lines = [
+        "Sparse exchange (`gradcomm.sparse.sum_sparse`, mean over N devices)",
+        "",
+        "| N | scatters | scatter runs | gathers | sorts | while loops | bytes/device "
+        "| exchange ms | lags update ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["sparse"]:
+        lines.append(
+            f"| {r['n']} | {r['scatter']} | {r['scatter_runs']} | {r['gather']} | {r['sort']} "
+            f"| {r['while']} | {r['bytes']:.0f} | {1e3 * r['seconds']:.3f} "
+            f"| {1e3 * r['lags_seconds']:.3f} |"
+        )
+    lines += [
+        "",
+        "Adasum (`gradcomm.adasum_reduce`): bytes per device per level, halves + statistics",
+        "",
+        "| N | level: exchange + statistics bytes (the statistics' collectives) | fold | gather "
+        "| total bytes | ms |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["adasum"]:
+        levels = "; ".join(
+            f"{j}: {lv['exchange_bytes']:.0f} + {lv['stats_bytes']:.0f} ("
+            + ", ".join(f"{st['kind']} {st['sent']:.0f}" for st in lv["stats"])
+            + ")"
+            for j, lv in enumerate(r["levels"])
+        )
+        lines.append(
+            f"| {r['n']} | {levels or '-'} | {r['fold_bytes']:.0f} | {r['gather_bytes']:.0f} "
+            f"| {r['bytes']:.0f} | {1e3 * r['seconds']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--devices", type=int, default=8, help="simulated CPU devices: N runs from 1 to this"
+    )
+    parser.add_argument(
+        "--sizes", default="262144,16384,512", help="comma-separated leaf sizes (elements)"
+    )
+    parser.add_argument("--density", type=float, default=0.01, help="k / size per leaf")
+    parser.add_argument(
+        "--overlap", type=float, default=0.5, help="share of each device's indices common to all"
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
+    parser.add_argument("--out", default="runs/bench_scaling", help="output directory")
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        raise SystemExit("--devices must be at least 1")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
+    import gradcomm
+
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    rows = [measure(n, args, sizes) for n in range(1, args.devices + 1)]
+    result = {
+        "config": vars(args),
+        "gradcomm": str(pathlib.Path(gradcomm.__file__).parent),
+        "jax": jax.__version__,
+        "sparse": [r["sparse"] for r in rows],
+        "adasum": [r["adasum"] for r in rows],
+    }
+    table = tables(result)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_scaling.json").write_text(json.dumps(result, indent=1))
+    (out / "bench_scaling.md").write_text(table + "\n")
+    print(f"gradcomm from {result['gradcomm']}\n\n{table}\n\nwrote {out}/bench_scaling.json, .md")
+
+
+if __name__ == "__main__":
+    main()
