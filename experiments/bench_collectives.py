@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import _packing, parallel, sparse
+from gradcomm import _packing, _ternary, parallel, sparse
 
 tg = importlib.import_module("gradcomm.terngrad")  # the module (the package exports the factory)
 
@@ -66,11 +66,11 @@ def selection(selector: str, density: float) -> Callable[[Any], Any]:
 
 def ternarize(tree: Any) -> Any:
     """TernGrad's send side on each device: clip bound, scale, random draw, 5 codes a byte."""
-    words = tg._key_words(jax.random.key(0))
+    words = _ternary.key_words(jax.random.key(0))
     out = []
     for x in tree:
         bound = tg._clip_bound(x, 2.5)
-        out.append(tg._pack_leaf(x, bound, tg._local_scale(x, bound), words, 0))
+        out.append(_ternary.pack_leaf(x, bound, tg._local_scale(x, bound), words, 0))
     return out
 
 
@@ -84,7 +84,7 @@ def unpack(n: int) -> Callable[[Any], Any]:
     def fn(tree: Any) -> Any:
         out = []
         for packed in tree:
-            rows = _packing.digit_sums(jnp.stack([packed] * n), 3, tg._sum_dtype(n))
+            rows = _packing.digit_sums(jnp.stack([packed] * n), 3, _ternary.sum_dtype(n))
             out.append(
                 _packing.concatenate([(r.astype(jnp.float32) - n) * (0.5 / n) for r in rows])
             )

@@ -9,16 +9,15 @@ magnitude, keeps the rest, and the devices average what was sent (eq. 5, Algorit
 The density k(l)/d(l) may differ per leaf; `lags_plan` picks it so that each leaf's
 communication hides behind the backward pass of the leaves after it (eq. 18).
 `slgs` is the single-layer baseline: one top-k over the whole flattened model.
-Diagnostics: `lags_delta` (Assumption 1, eq. 20) and `lags_speedup_bound` (eq. 19).
+Diagnostics: `lags_delta` (Assumption 1, eq. 20) and `lags_speedup_bound` (eq. 19). The
+planner (`lags_plan`, `lags_profile`, `lags_speedup_bound`, `LagsPlan`) is
+`gradcomm._lags_plan`'s, re-exported here; the top-k, the exchange and error feedback are
+`gradcomm.sparse`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import statistics
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +25,21 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _packing, sparse
+from gradcomm import _axes, _checks, _flat, _leafwise, _packing, sparse
+from gradcomm._lags_plan import LagsPlan, lags_plan, lags_profile, lags_speedup_bound
+
+__all__ = [
+    "Density",
+    "LagsPlan",
+    "LagsState",
+    "SlgsState",
+    "lags",
+    "lags_delta",
+    "lags_plan",
+    "lags_profile",
+    "lags_speedup_bound",
+    "slgs",
+]
 
 
 class LagsState(NamedTuple):
@@ -39,37 +52,6 @@ class SlgsState(NamedTuple):
     """State of `slgs`: per leaf, what this device has not sent (the residual)."""
 
     residual: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class LagsPlan:
-    """Per-leaf densities from eq. 18, with what the model predicted.
-
-    Attributes:
-      densities: leaf name -> density k/d, the input `lags(density=plan)` takes.
-      backward_seconds: leaf name -> the leaf's backward time, in backprop order.
-      comm_seconds: leaf name -> the predicted all-gather time at the chosen density.
-      budget_seconds: leaf name -> the backward time its communication may hide behind.
-      hidden: leaf name -> whether the communication fits within that budget.
-    """
-
-    densities: dict[str, float]
-    backward_seconds: dict[str, float]
-    comm_seconds: dict[str, float]
-    budget_seconds: dict[str, float]
-    hidden: dict[str, bool]
-
-    def table(self) -> str:
-        """A Markdown table of the plan, one row per leaf in backprop order."""
-        rows = ["| leaf | backward (ms) | budget (ms) | density | comm (ms) | hidden |"]
-        rows.append("| --- | ---: | ---: | ---: | ---: | --- |")
-        for name, density in self.densities.items():
-            rows.append(
-                f"| {name} | {1e3 * self.backward_seconds[name]:.3f} "
-                f"| {1e3 * self.budget_seconds[name]:.3f} | {density:.4g} "
-                f"| {1e3 * self.comm_seconds[name]:.3f} | {'yes' if self.hidden[name] else 'no'} |"
-            )
-        return "\n".join(rows)
 
 
 Density = float | Mapping[str, float] | LagsPlan
@@ -98,10 +80,6 @@ def _leaf_densities(density: Density, names: list[str]) -> list[float]:
     if missing:
         raise ValueError(f"density gives no value for leaves {missing}")
     return [float(density[m]) for m in matched]
-
-
-def _zeros_like(params: Any) -> Any:
-    return jax.tree.map(jnp.zeros_like, params)
 
 
 def lags(
@@ -157,20 +135,11 @@ def lags(
     _check_density_spec(density)
     sparse.check_selector(selector)
 
-    def init_fn(params: Any) -> LagsState:
-        return LagsState(residual=_zeros_like(params))
-
-    @jax.named_scope("gradcomm.lags")
-    def update_fn(
-        updates: Any, state: LagsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, LagsState]:
-        del params, extra_args
-        _checks.check_updates(updates, axis_name, "lags")
+    def step(
+        leaves: list[jax.Array], names: list[str], residuals: list[jax.Array]
+    ) -> tuple[list[jax.Array], list[jax.Array]]:
         n = _axes.axis_size(axis_name)
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        leaves = [leaf for _, leaf in paths_leaves]
-        densities = _leaf_densities(density, _checks.leaf_names([p for p, _ in paths_leaves]))
-        residuals = jax.tree.leaves(state.residual)
+        densities = _leaf_densities(density, names)
         out, new_residuals = list(leaves), list(residuals)
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         sent, sizes = [], []
@@ -183,12 +152,9 @@ def lags(
         means = sparse.sum_sparse(sent, sizes, axis_name, divide_by=n)
         for i, mean in zip(ids, means, strict=True):
             out[i] = mean.astype(leaves[i].dtype).reshape(leaves[i].shape)
-        new_state = LagsState(
-            residual=jax.tree.unflatten(jax.tree.structure(state.residual), new_residuals),
-        )
-        return jax.tree.unflatten(treedef, out), new_state
+        return out, new_residuals
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _leafwise.with_residuals("lags", axis_name, LagsState, step)
 
 
 def slgs(
@@ -228,18 +194,11 @@ def slgs(
     sparse.check_density(density)
     sparse.check_selector(selector)
 
-    def init_fn(params: Any) -> SlgsState:
-        return SlgsState(residual=_zeros_like(params))
-
-    @jax.named_scope("gradcomm.slgs")
-    def update_fn(
-        updates: Any, state: SlgsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, SlgsState]:
-        del params, extra_args
-        _checks.check_updates(updates, axis_name, "slgs")
+    def step(
+        leaves: list[jax.Array], names: list[str], residuals: list[jax.Array]
+    ) -> tuple[list[jax.Array], list[jax.Array]]:
+        del names
         n = _axes.axis_size(axis_name)
-        leaves, treedef = jax.tree.flatten(updates)
-        residuals = jax.tree.leaves(state.residual)
         dtype = jnp.result_type(*leaves)
         accs = [
             sparse.accumulate(r, u).astype(dtype) for r, u in zip(residuals, leaves, strict=True)
@@ -248,19 +207,17 @@ def slgs(
         values, indices = sparse.topk(acc, sparse.num_kept(acc.size, density), selector)
         sizes = [a.size for a in accs]
         means = sparse.sum_sparse_segments((values, indices), sizes, axis_name, divide_by=n)
-        out, new_residuals, start = [], [], 0
-        for leaf, r, a, mean in zip(leaves, residuals, accs, means, strict=True):
+        out, new_residuals = [], []
+        for leaf, r, a, mean, start in zip(
+            leaves, residuals, accs, means, _flat.offsets(sizes), strict=False
+        ):
             # The leaf's acc with its sent entries zeroed: no model-sized slicing.
             segment = sparse.segment(indices, start, a.size)
             out.append(mean.astype(leaf.dtype).reshape(leaf.shape))
             new_residuals.append(sparse.unsent(a, segment, r, unique_indices=False))
-            start += a.size
-        new_state = SlgsState(
-            residual=jax.tree.unflatten(jax.tree.structure(state.residual), new_residuals),
-        )
-        return jax.tree.unflatten(treedef, out), new_state
+        return out, new_residuals
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _leafwise.with_residuals("slgs", axis_name, SlgsState, step)
 
 
 def lags_delta(
@@ -312,198 +269,3 @@ def lags_delta(
         expected = (1 - k / x.size) * jnp.sum(jnp.square(total))
         deltas.append(jnp.where(expected > 0, missed / expected, 0.0).astype(jnp.float32))
     return jax.tree.unflatten(treedef, deltas)
-
-
-def lags_speedup_bound(forward: float, backward: float, comm: float) -> float:
-    """Eq. 19: the largest speedup of LAGS over SLGS from overlapping comm with backward.
-
-        S_max = 1 + 1 / (t_f / min(t_c, t_b) + max(r, 1/r)),   r = t_c / t_b,
-
-    which is (t_f + t_b + t_c) / (t_f + t_b + t_c - min(t_b, t_c)) and peaks at
-    1 + t_b / (t_f + t_b) when t_c = t_b.
-
-    Args:
-      forward: t_f, the forward time of one iteration (>= 0).
-      backward: t_b, the backward time (> 0).
-      comm: t_c, the gradient communication time (>= 0).
-
-    Returns:
-      S_max (1 when nothing can be hidden).
-
-    Example:
-      >>> from gradcomm import lags_speedup_bound
-      >>> round(lags_speedup_bound(1.0, 2.0, 2.0), 6)  # t_c = t_b: the bound 1 + 2 / 3
-      1.666667
-    """
-    if forward < 0 or backward <= 0 or comm < 0:
-        raise ValueError(
-            f"need forward >= 0, backward > 0 and comm >= 0, got {forward}, {backward}, {comm}"
-        )
-    if comm == 0:
-        return 1.0
-    r = comm / backward
-    return 1 + 1 / (forward / min(comm, backward) + max(r, 1 / r))
-
-
-def lags_plan(
-    backward_seconds: Mapping[str, float],
-    sizes: Mapping[str, int],
-    *,
-    num_devices: int,
-    latency: float,
-    bandwidth: float,
-    max_ratio: float = 1000.0,
-    sparsify_seconds: float | Mapping[str, float] = 0.0,
-    bytes_per_entry: int = 8,
-) -> LagsPlan:
-    """Eq. 18: per-leaf densities whose communication hides behind the backward pass.
-
-    Backprop computes leaves from the output back; leaf l's gradient can be sent while the
-    next leaves (closer to the input) are computed, so its budget is the next leaf's
-    backward time (the last leaf has none). Its all-gather of k (value, index) pairs is
-    modelled as `latency * (N - 1) + (N - 1) * k * bytes_per_entry / bandwidth`. The
-    compression ratio c = d / k is the smallest that fits the budget after
-    `sparsify_seconds`, capped at `max_ratio` (the paper's c_u = 1000):
-
-        c(l) = min(c_u, min{c : t_comm(c) + t_spar(l) <= t_comp(l - 1)}).
-
-    A leaf whose communication cannot hide even at c_u gets density 1 / c_u.
-
-    Args:
-      backward_seconds: leaf name -> backward time, in backprop order (the leaf nearest the
-        output first), e.g. from `lags_profile`.
-      sizes: leaf name -> number of elements.
-      num_devices: N.
-      latency: alpha, seconds per message of the all-gather's ring.
-      bandwidth: beta^-1, bytes per second per link.
-      max_ratio: c_u >= 1.
-      sparsify_seconds: the top-k's own time, one number or per leaf.
-      bytes_per_entry: bytes of one (value, index) pair (8 for float32 and int32).
-
-    Returns:
-      A `LagsPlan`; pass it as `lags(density=plan)`.
-
-    Example:
-      >>> from gradcomm import lags_plan
-      >>> plan = lags_plan({"out": 1e-3, "hidden": 4e-3, "in": 2e-3},
-      ...                  {"out": 10_000, "hidden": 100_000, "in": 50_000},
-      ...                  num_devices=8, latency=1e-5, bandwidth=1e9)
-      >>> plan.densities
-      {'out': 1.0, 'hidden': 0.34464, 'in': 0.001}
-
-    References:
-      Shi et al., ECAI 2020: eq. 18 and section 5.
-    """
-    if num_devices < 1 or latency < 0 or bandwidth <= 0 or max_ratio < 1:
-        raise ValueError(
-            "need num_devices >= 1, latency >= 0, bandwidth > 0 and max_ratio >= 1; got "
-            f"{num_devices}, {latency}, {bandwidth}, {max_ratio}"
-        )
-    names = list(backward_seconds)
-    if set(names) != set(sizes):
-        raise ValueError(
-            f"backward_seconds and sizes name different leaves: {names} vs {list(sizes)}"
-        )
-    n = num_devices
-    densities, comm, budget, hidden = {}, {}, {}, {}
-    for i, name in enumerate(names):
-        size = int(sizes[name])
-        spar = sparsify_seconds[name] if isinstance(sparsify_seconds, Mapping) else sparsify_seconds
-        budget[name] = backward_seconds[names[i + 1]] if i + 1 < len(names) else 0.0
-        if n == 1:
-            k = size
-        else:
-            room = budget[name] - spar - latency * (n - 1)
-            fits = math.floor(room * bandwidth / ((n - 1) * bytes_per_entry)) if room > 0 else 0
-            k = min(size, max(fits, math.ceil(size / max_ratio), 1))
-        densities[name] = k / size
-        comm[name] = (
-            0.0 if n == 1 else latency * (n - 1) + (n - 1) * k * bytes_per_entry / bandwidth
-        )
-        hidden[name] = comm[name] + spar <= budget[name] or n == 1
-    return LagsPlan(densities, dict(backward_seconds), comm, budget, hidden)
-
-
-def lags_profile(
-    loss_fn: Callable[[Any, Any], jax.Array],
-    params: Any,
-    batch: Any,
-    *,
-    method: str = "cost",
-    repeats: int = 5,
-) -> dict[str, float]:
-    """Per-leaf backward times of `loss_fn` on one device, in backprop order, for `lags_plan`.
-
-    The gradient with respect to one leaf needs the backward pass from the loss down to
-    that leaf, so its cost grows as the leaf lies further from the output. Sorting the
-    leaves by that cost gives the backprop order, and successive differences give each
-    leaf's own backward time (the first leaf's minus the forward pass).
-
-    Args:
-      loss_fn: `loss_fn(params, batch) -> scalar`.
-      params: the params pytree.
-      batch: one device's batch.
-      method: "cost" (FLOPs from XLA's cost analysis, deterministic, turned into seconds
-        by the measured time of the full gradient) or "time" (the median measured time of
-        each gradient; noisier).
-      repeats: timed runs per measurement.
-
-    Returns:
-      Leaf name -> seconds, in backprop order (nearest the output first).
-
-    Example:
-      >>> import jax.numpy as jnp, gradcomm
-      >>> loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["a"]) @ p["b"])
-      >>> params = {"a": jnp.ones((64, 128)), "b": jnp.ones((128, 10))}
-      >>> list(gradcomm.lags_profile(loss, params, jnp.ones((32, 64))))
-      ['b', 'a']
-    """
-    if method not in ("cost", "time"):
-        raise ValueError(f"method must be 'cost' or 'time', got {method!r}")
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    names = _checks.leaf_names([p for p, _ in paths_leaves])
-    leaves = [leaf for _, leaf in paths_leaves]
-
-    def measure(fn: Callable[..., Any], *args: Any) -> float:
-        compiled = jax.jit(fn).lower(*args).compile()
-        if method == "cost":
-            cost = compiled.cost_analysis()
-            cost = cost[0] if isinstance(cost, list) else cost
-            return float(cost.get("flops", 0.0))
-        return _median_seconds(compiled, args, repeats)
-
-    def grad_of(i: int) -> Callable[..., Any]:
-        def fn(leaf: jax.Array, batch: Any) -> jax.Array:
-            def loss_of_leaf(value: jax.Array) -> jax.Array:
-                return loss_fn(
-                    jax.tree.unflatten(treedef, [*leaves[:i], value, *leaves[i + 1 :]]), batch
-                )
-
-            return jax.grad(loss_of_leaf)(leaf)
-
-        return fn
-
-    forward = measure(loss_fn, params, batch)
-    cumulative = {name: measure(grad_of(i), leaves[i], batch) for i, name in enumerate(names)}
-    order = sorted(names, key=lambda name: cumulative[name])
-    scale = 1.0
-    if method == "cost":
-        full = _median_seconds(
-            jax.jit(jax.grad(loss_fn)).lower(params, batch).compile(), (params, batch), repeats
-        )
-        scale = full / max(cumulative[order[-1]], 1.0)
-    seconds, previous = {}, forward
-    for name in order:
-        seconds[name] = max(cumulative[name] - previous, 0.0) * scale
-        previous = max(previous, cumulative[name])
-    return seconds
-
-
-def _median_seconds(compiled: Any, args: tuple[Any, ...], repeats: int) -> float:
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(max(repeats, 1)):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)

@@ -29,15 +29,13 @@ modes therefore give the same bits, and the estimate stays unbiased (any s >= ma
 does).
 
 The random bits are a counter-based hash of each element's index, keyed per device and
-step by `jax.random` (threefry): two rounds of a 32-bit mixer, one vectorized pass, where
-threefry per element costs about ten times as much on a CPU. Each leaf is packed on its
-own, digit-major (`gradcomm._packing`), so that drawing, clipping and packing are one
-pass over the leaf and unpacking one pass over the codes.
+step by `jax.random`; each leaf is packed on its own, so that drawing, clipping and
+packing are one pass over the leaf. The codes and their wire are `gradcomm._ternary`'s;
+this module holds the scales (clipping, the shared maximum) and the transformation.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, get_args
@@ -48,12 +46,13 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _collectives, _numeric, _packing, _schedule
+from gradcomm import _axes, _checks, _flat, _leafwise, _numeric, _schedule, _ternary
 
 Wire = Literal["packed", "all_gather", "all_to_all", "simulate"]
 WIRES: tuple[str, ...] = get_args(Wire)
-Strategy = Literal["all_gather", "all_to_all"]
 Dense = Sequence[str] | str | int | Callable[[str, jax.Array], bool] | None
+
+# The codes' pieces that experiments/bench_collectives.py times one by one, by these names.
 
 
 class TernGradState(NamedTuple):
@@ -100,47 +99,6 @@ def _local_scale(g: jax.Array, bound: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(top), jnp.minimum(top, bound), jnp.inf)
 
 
-def _mix(x: jax.Array) -> jax.Array:
-    """lowbias32 (C. Wellons, hash-prospector): a bijective uint32 mixer with low bias."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _key_words(key: jax.Array) -> jax.Array:
-    """Two uint32 words from a `jax.random` key (threefry): the key of the element hash."""
-    return jax.random.bits(key, (2,), jnp.uint32)
-
-
-def _random_words(key_words: jax.Array, start: int, size: int) -> jax.Array:
-    """`size` pseudo-random uint32 words for elements `start, start + 1, ...`.
-
-    Counter-based: element e gets `mix(mix(e ^ k0) + k1)`, (k0, k1) = `key_words`, a keyed
-    bijection of the element index (numbered modulo 2^32) evaluated in one vectorized
-    pass; threefry per element costs about ten times as much on a CPU.
-    """
-    index = lax.iota(jnp.uint32, size) + jnp.uint32(start)
-    return _mix(_mix(index ^ key_words[0]) + key_words[1])
-
-
-def _codes(
-    g: jax.Array, bound: jax.Array, scale: jax.Array, key_words: jax.Array, start: int = 0
-) -> jax.Array:
-    """Eqs. 1 and 3: codes sign(g) * b (int32), b ~ Bernoulli(|clip(g)| / scale).
-
-    Each element gets a 23-bit uniform at the midpoints, u = (r + 1/2) / 2^23 (exact in
-    float32), and b = 1 where u < |clip(g)| / scale: P(b = 1) is the ratio rounded to a
-    multiple of 2^-23. A zero scale gives zeros, an infinite one zeros (so 0 * inf = NaN).
-    Elements of the flat `g` are numbered from `start` in the random stream.
-    """
-    r = (_random_words(key_words, start, g.size) >> 9).reshape(g.shape)
-    u = (r.astype(g.dtype) + 0.5) * 2.0**-23
-    ratio = jnp.minimum(jnp.abs(g), bound) / scale
-    return jnp.where(u < ratio, jnp.sign(g), 0).astype(jnp.int32)
-
-
 def _as_key(key: jax.Array) -> jax.Array:
     return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
 
@@ -179,7 +137,7 @@ def ternarize(
     g = jnp.asarray(g).astype(_axes.compute_dtype(g.dtype))
     bound = _clip_bound(g, clip)
     scale = _local_scale(g, bound)
-    return _codes(g, bound, scale, _key_words(_as_key(key))).astype(jnp.int8), scale
+    return _ternary.codes(g, bound, scale, _ternary.key_words(_as_key(key))).astype(jnp.int8), scale
 
 
 def _round_up_scale(scale: jax.Array, n: int) -> jax.Array:
@@ -197,98 +155,6 @@ def _round_up_scale(scale: jax.Array, n: int) -> jax.Array:
     return jnp.where(normal, rounded, scale)
 
 
-_PER_BYTE = _packing.values_per_word(3, 8)  # 5 ternary codes to a byte
-
-
-def _strategy(n: int) -> Strategy:
-    """The packed exchange that sends fewer bits per element at this axis size."""
-    code_bits = 8 / _PER_BYTE
-    sum_bits = 32 / _packing.values_per_word(2 * n + 1)
-    gather = (n - 1) * code_bits
-    scatter = (n - 1) / n * (code_bits + sum_bits)
-    return "all_gather" if gather <= scatter else "all_to_all"
-
-
-def _sum_dtype(n: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds sums of n codes offset by n, in [0, 2n]."""
-    return np.dtype(next(t for t in (np.uint8, np.uint16, np.uint32) if 2 * n <= np.iinfo(t).max))
-
-
-def _row_starts(size: int) -> tuple[int, list[int]]:
-    """How a leaf of `size` codes lies in b = ceil(size / 5) bytes, digit-major.
-
-    Digit i of the bytes holds the codes `[start_i, start_i + b)`: `i b` for the first
-    four, and `size - b` for the last, which then repeats the up to 4 codes before it
-    instead of padding (the same codes: they are a function of the element). Leaves too
-    small for that (4 b > size) are padded. Returns `(b, starts)`.
-    """
-    b = -(-size // _PER_BYTE)
-    starts = [i * b for i in range(_PER_BYTE)]
-    if (_PER_BYTE - 1) * b <= size:
-        starts[-1] = size - b
-    return b, starts
-
-
-@jax.named_scope("compress")
-def _pack_leaf(
-    g: jax.Array, bound: jax.Array, scale: jax.Array, key_words: jax.Array, start: int
-) -> jax.Array:
-    """The codes of one leaf (elements numbered from `start`), 5 to a byte: `(b,)` uint8."""
-    flat = g.ravel()
-    b, starts = _row_starts(flat.size)
-    if starts[-1] + b > flat.size:  # a tiny leaf: pad it
-        flat = jnp.pad(flat, (0, starts[-1] + b - flat.size))
-    rows = [
-        _codes(lax.slice(flat, (s,), (s + b,)), bound, scale, key_words, start + s) + 1
-        for s in starts
-    ]
-    return _packing.pack(rows, 3, jnp.uint8)
-
-
-@jax.named_scope("combine")
-def _unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
-    """Inverse of `_pack_leaf`'s layout: the digit rows `(b,)` of one leaf to `(size,)`."""
-    b, starts = _row_starts(size)
-    if starts[-1] + b > size:
-        return jnp.concatenate(rows)[:size]
-    return _packing.concatenate([*rows[:-1], rows[-1][(_PER_BYTE - 1) * b - starts[-1] :]])
-
-
-@jax.named_scope("exchange")
-def _code_sums(
-    packed: list[jax.Array], axis_name: _axes.AxisName, n: int, strategy: Strategy
-) -> list[list[jax.Array]]:
-    """Per leaf, the digit rows of the sum over devices of its codes plus n: in [0, 2n].
-
-    `packed` holds each leaf's bytes from `_pack_leaf`; they travel together. The sums
-    (unsigned, `_sum_dtype(n)`) are the same on every device. With "all_gather", every
-    device sums every device's bytes; with "all_to_all", device j sums chunk j of every
-    device's bytes and the sums travel in base 2n + 1, in uint32 words.
-    """
-    sum_dtype = _sum_dtype(n)
-    offsets = np.cumsum([0] + [p.size for p in packed])
-    flat = _packing.concatenate(packed)
-    if strategy == "all_gather":
-        gathered = _collectives.all_gather_invariant(flat, axis_name)  # (n, bytes)
-        return [
-            list(_packing.digit_sums(gathered[:, start:end], 3, sum_dtype))
-            for start, end in itertools.pairwise(offsets)
-        ]
-    per_sum = _packing.values_per_word(2 * n + 1)
-    chunk = -(-flat.size // n)  # bytes per device, a whole number of sum words per digit
-    chunk += -chunk % per_sum
-    flat = jnp.pad(flat, (0, n * chunk - flat.size))
-    mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
-    partial = _packing.digit_sums(mine, 3, jnp.uint32)  # chunk j of every device
-    words = _packing.pack(partial.reshape(_PER_BYTE, per_sum, -1), 2 * n + 1)
-    gathered = _collectives.all_gather_invariant(words, axis_name)  # (n, _PER_BYTE, words)
-    digits = _packing.unpack(gathered, 2 * n + 1, axis=0).astype(sum_dtype)
-    sums = digits.transpose(2, 1, 0, 3).reshape(_PER_BYTE, -1)  # (_PER_BYTE, n * chunk)
-    return [
-        [sums[i, start:end] for i in range(_PER_BYTE)] for start, end in itertools.pairwise(offsets)
-    ]
-
-
 def _ternary_mean(
     leaves: list[jax.Array],
     key: jax.Array,
@@ -303,23 +169,23 @@ def _ternary_mean(
     bounds = [_clip_bound(g, clip) for g in gs]
     local = jnp.stack([_local_scale(g, b) for g, b in zip(gs, bounds, strict=True)])
     scales = _round_up_scale(lax.pmax(local, axis_name), n)
-    starts = [int(s) for s in np.cumsum([0] + [g.size for g in gs])]
-    key_words = _key_words(key)
+    starts = _flat.offsets([g.size for g in gs])
+    key_words = _ternary.key_words(key)
     if wire == "simulate":
         codes = [
-            _codes(g, b, s, key_words, start)
+            _ternary.codes(g, b, s, key_words, start)
             for g, b, s, start in zip(gs, bounds, scales, starts, strict=False)
         ]
         totals = lax.psum([c.astype(ct) * s for c, s in zip(codes, scales, strict=True)], axis_name)
     else:
         packed = [
-            _pack_leaf(g, b, s, key_words, start)
+            _ternary.pack_leaf(g, b, s, key_words, start)
             for g, b, s, start in zip(gs, bounds, scales, starts, strict=False)
         ]
-        strategy = _strategy(n) if wire == "packed" else wire
-        sums = _code_sums(packed, axis_name, n, strategy)
+        strategy = _ternary.pick_strategy(n) if wire == "packed" else wire
+        sums = _ternary.code_sums(packed, axis_name, n, strategy)
         totals = [
-            _unpack_leaf([(r.astype(ct) - n) * s for r in rows], g.size).reshape(g.shape)
+            _ternary.unpack_leaf([(r.astype(ct) - n) * s for r in rows], g.size).reshape(g.shape)
             for rows, g, s in zip(sums, gs, scales, strict=True)
         ]
     return [(t / n).astype(leaf.dtype) for t, leaf in zip(totals, leaves, strict=True)]
@@ -414,17 +280,11 @@ def terngrad(
         key = jax.random.key_data(jax.random.key(seed))
         return TernGradState(count=_schedule.zero_count(), key=key)
 
-    @jax.named_scope("gradcomm.terngrad")
-    def update_fn(
-        updates: Any, state: TernGradState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, TernGradState]:
-        del params, extra_args
-        _checks.check_updates(updates, axis_name, "terngrad")
+    def step(
+        leaves: list[jax.Array], names: list[str], state: TernGradState
+    ) -> tuple[list[jax.Array], TernGradState]:
         n = _axes.axis_size(axis_name)
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        paths = [p for p, _ in paths_leaves]
-        leaves = [leaf for _, leaf in paths_leaves]
-        keep_dense = _dense_mask(_checks.leaf_names(paths), leaves, dense)
+        keep_dense = _dense_mask(names, leaves, dense)
         out = list(leaves)
         dense_ids = [i for i, d in enumerate(keep_dense) if d or not leaves[i].size]
         if dense_ids:
@@ -438,7 +298,6 @@ def terngrad(
             averaged = _ternary_mean([leaves[i] for i in ids], key, axis_name, n, clip, wire)
             for i, leaf in zip(ids, averaged, strict=True):
                 out[i] = leaf
-        new_state = TernGradState(count=optax.safe_increment(state.count), key=state.key)
-        return jax.tree_util.tree_unflatten(treedef, out), new_state
+        return out, TernGradState(count=optax.safe_increment(state.count), key=state.key)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _leafwise.transformation("terngrad", axis_name, init_fn, step)

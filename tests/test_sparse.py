@@ -7,7 +7,7 @@ import pytest
 import reference
 from helpers import per_device
 
-from gradcomm import sparse
+from gradcomm import _topk, sparse
 
 
 def inputs(kind, size, rng):
@@ -139,7 +139,7 @@ def test_sampled_is_the_exact_top_k_with_ties_to_lower_indices(case):
         x = -np.abs(x)
     if case == "bfloat16":
         x = jnp.asarray(x, jnp.bfloat16)
-    assert sparse._sampled_fits(size, k)
+    assert _topk._sampled_fits(size, k)
     values, idx = jax.jit(sampled_fn, static_argnums=1)(jnp.asarray(x), k)
     reference_x = np.asarray(x, np.float32)
     magnitude = np.where(np.isfinite(reference_x), np.abs(reference_x), np.inf)
@@ -165,12 +165,12 @@ def test_kth_largest_by_bisection_with_a_traced_k(k):
 
 def test_compact_gives_positions_in_order():
     mask = np.random.default_rng(0).random(1000) < 0.1
-    positions, count = sparse._compact(jnp.asarray(mask), 150)
+    positions, count = _topk._compact(jnp.asarray(mask), 150)
     expected = np.flatnonzero(mask)
     assert int(count) == expected.size
     np.testing.assert_array_equal(positions[: expected.size], expected)
     np.testing.assert_array_equal(positions[expected.size :], 1000)
-    cut, count = sparse._compact(jnp.asarray(mask), 20)  # overflow: the first 20
+    cut, count = _topk._compact(jnp.asarray(mask), 20)  # overflow: the first 20
     np.testing.assert_array_equal(cut, expected[:20])
 
 
@@ -186,3 +186,80 @@ def test_exchange_divided_on_the_sent_entries_gives_the_bits_of_dividing_the_sum
     total = per_device(exchange_fn, n, values, indices)
     mean = per_device(mean_fn, n, values, indices)
     np.testing.assert_array_equal(mean, np.asarray(jnp.asarray(total) / 3))
+
+
+# The decode against the previous one: N scatter-adds in device order, in float32.
+
+
+def device_order_sum(values, indices, size, divide_by=None, order=None):
+    """NumPy: each device's pairs added into a float32 vector of zeros, device after device.
+
+    The mean divides the sent entries as XLA:CPU divides (as the previous decode did), which
+    can differ from NumPy's float32 division in the last bit.
+    """
+    dense = np.zeros(size, np.float32)
+    for d in order if order is not None else range(len(values)):
+        np.add.at(dense, indices[d], np.asarray(values[d], np.float32))  # in index order
+    if divide_by is not None:
+        sent = np.unique(indices)
+        dense[sent] = np.asarray(jnp.asarray(dense[sent]) / divide_by)
+    return dense
+
+
+def overlapping_pairs(n, size, k, dtype, seed):
+    """Pairs whose indices repeat across devices, values of mixed magnitudes and signs, with
+    -0.0; devices 0 and 1 send x and -x at index 0 (an exact cancellation), and devices 0,
+    1, 2 send 1, 2^-24, 2^-24 at index 1, whose float32 sum depends on the order."""
+    rng = np.random.default_rng(seed)
+    pool = rng.choice(np.arange(2, size), min(size - 2, k + k // 2), replace=False)
+    indices = np.stack([rng.choice(pool, k, replace=False) for _ in range(n)]).astype(np.int32)
+    values = rng.standard_normal((n, k)) * 10.0 ** rng.integers(-3, 4, (n, k))
+    values[rng.random((n, k)) < 0.1] = -0.0
+    indices[:2, 0] = 0
+    values[1:2, 0] = -values[0, 0]
+    indices[:3, 1] = 1
+    values[:3, 1] = [1.0, 2.0**-24, 2.0**-24][: min(n, 3)]
+    return np.asarray(values, dtype), indices
+
+
+SIZE = 256
+
+
+def sum_fn(values, indices):
+    return sparse.exchange(values, indices, SIZE, "data")
+
+
+def mean_over_devices_fn(values, indices):
+    return sparse.exchange(values, indices, SIZE, "data", divide_by=jax.lax.axis_size("data"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_exchange_is_bit_identical_to_scatter_adds_in_device_order(n, dtype):
+    """Duplicates across devices are summed in device order, as the N scatter-adds did:
+    the same bits, on every device, for the sum and for the mean. (One device takes the
+    dense path, a psum, as before.)"""
+    values, indices = overlapping_pairs(n, SIZE, 12, dtype, seed=n)
+    assert not sparse.sparse_bytes_exceed_dense(SIZE, 12, np.dtype(dtype).itemsize, n)
+    total = per_device(sum_fn, n, values, indices)
+    mean = per_device(mean_over_devices_fn, n, values, indices)
+    for got, divide_by in ((total, None), (mean, n)):
+        expected = device_order_sum(values, indices, SIZE, divide_by)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), got[:1].view(np.uint32).repeat(n, 0))
+        np.testing.assert_array_equal(got[0].view(np.uint32), expected.view(np.uint32))
+    if n >= 3:  # the values are such that another order gives other bits
+        backwards = device_order_sum(values, indices, SIZE, order=range(n - 1, -1, -1))
+        assert np.any(backwards.view(np.uint32) != total[0].view(np.uint32))
+
+
+def segments_fn(values, indices):
+    return sparse.sum_sparse_segments((values, indices), [20, 1, 235], "data", divide_by=8)
+
+
+def test_segments_are_the_device_order_sum_of_the_concatenation_cut():
+    values, indices = overlapping_pairs(8, SIZE, 6, np.float32, seed=11)
+    out = per_device(segments_fn, 8, values, indices)
+    expected = np.split(device_order_sum(values, indices, SIZE, divide_by=8), [20, 21])
+    for got, want in zip(out, expected, strict=True):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32)[None].repeat(8, 0))

@@ -1,0 +1,158 @@
+"""TernGrad's codes and their wire: drawing ternary codes, packing them 5 to a byte, and
+summing them over the devices in packed form (the mechanism behind `gradcomm.terngrad`).
+
+The random bits are a counter-based hash of each element's index, keyed per device and
+step by `jax.random` (threefry): two rounds of a 32-bit mixer, one vectorized pass, where
+threefry per element costs about ten times as much on a CPU. Each leaf is packed on its
+own, digit-major (`gradcomm._packing`), so that drawing, clipping and packing are one
+pass over the leaf and unpacking one pass over the codes. `code_sums` is the exchange:
+an all-gather of the packed codes, or an all-to-all of them and an all-gather of their
+sums in base 2N + 1 (`pick_strategy` takes the one that sends fewer bits).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradcomm import _axes, _collectives, _flat, _packing
+
+Strategy = Literal["all_gather", "all_to_all"]
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """lowbias32 (C. Wellons, hash-prospector): a bijective uint32 mixer with low bias."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def key_words(key: jax.Array) -> jax.Array:
+    """Two uint32 words from a `jax.random` key (threefry): the key of the element hash."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _random_words(words: jax.Array, start: int, size: int) -> jax.Array:
+    """`size` pseudo-random uint32 words for elements `start, start + 1, ...`.
+
+    Counter-based: element e gets `mix(mix(e ^ k0) + k1)`, (k0, k1) = `words`, a keyed
+    bijection of the element index (numbered modulo 2^32) evaluated in one vectorized
+    pass; threefry per element costs about ten times as much on a CPU.
+    """
+    index = lax.iota(jnp.uint32, size) + jnp.uint32(start)
+    return _mix(_mix(index ^ words[0]) + words[1])
+
+
+def codes(
+    g: jax.Array, bound: jax.Array, scale: jax.Array, words: jax.Array, start: int = 0
+) -> jax.Array:
+    """Eqs. 1 and 3: codes sign(g) * b (int32), b ~ Bernoulli(|clip(g)| / scale).
+
+    Each element gets a 23-bit uniform at the midpoints, u = (r + 1/2) / 2^23 (exact in
+    float32), and b = 1 where u < |clip(g)| / scale: P(b = 1) is the ratio rounded to a
+    multiple of 2^-23. A zero scale gives zeros, an infinite one zeros (so 0 * inf = NaN).
+    Elements of the flat `g` are numbered from `start` in the random stream keyed by
+    `words` (from `key_words`).
+    """
+    r = (_random_words(words, start, g.size) >> 9).reshape(g.shape)
+    u = (r.astype(g.dtype) + 0.5) * 2.0**-23
+    ratio = jnp.minimum(jnp.abs(g), bound) / scale
+    return jnp.where(u < ratio, jnp.sign(g), 0).astype(jnp.int32)
+
+
+PER_BYTE = _packing.values_per_word(3, 8)  # 5 ternary codes to a byte
+
+
+def pick_strategy(n: int) -> Strategy:
+    """The packed exchange that sends fewer bits per element at this axis size."""
+    code_bits = 8 / PER_BYTE
+    sum_bits = 32 / _packing.values_per_word(2 * n + 1)
+    gather = (n - 1) * code_bits
+    scatter = (n - 1) / n * (code_bits + sum_bits)
+    return "all_gather" if gather <= scatter else "all_to_all"
+
+
+def sum_dtype(n: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds sums of n codes offset by n, in [0, 2n]."""
+    return np.dtype(next(t for t in (np.uint8, np.uint16, np.uint32) if 2 * n <= np.iinfo(t).max))
+
+
+def _row_starts(size: int) -> tuple[int, list[int]]:
+    """How a leaf of `size` codes lies in b = ceil(size / 5) bytes, digit-major.
+
+    Digit i of the bytes holds the codes `[start_i, start_i + b)`: `i b` for the first
+    four, and `size - b` for the last, which then repeats the up to 4 codes before it
+    instead of padding (the same codes: they are a function of the element). Leaves too
+    small for that (4 b > size) are padded. Returns `(b, starts)`.
+    """
+    b = -(-size // PER_BYTE)
+    starts = [i * b for i in range(PER_BYTE)]
+    if (PER_BYTE - 1) * b <= size:
+        starts[-1] = size - b
+    return b, starts
+
+
+@jax.named_scope("compress")
+def pack_leaf(
+    g: jax.Array, bound: jax.Array, scale: jax.Array, words: jax.Array, start: int
+) -> jax.Array:
+    """The codes of one leaf (elements numbered from `start`), 5 to a byte: `(b,)` uint8."""
+    flat = g.ravel()
+    b, starts = _row_starts(flat.size)
+    if starts[-1] + b > flat.size:  # a tiny leaf: pad it
+        flat = jnp.pad(flat, (0, starts[-1] + b - flat.size))
+    rows = [
+        codes(lax.slice(flat, (s,), (s + b,)), bound, scale, words, start + s) + 1 for s in starts
+    ]
+    return _packing.pack(rows, 3, jnp.uint8)
+
+
+@jax.named_scope("combine")
+def unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
+    """Inverse of `pack_leaf`'s layout: the digit rows `(b,)` of one leaf to `(size,)`."""
+    b, starts = _row_starts(size)
+    if starts[-1] + b > size:
+        return jnp.concatenate(rows)[:size]
+    return _packing.concatenate([*rows[:-1], rows[-1][(PER_BYTE - 1) * b - starts[-1] :]])
+
+
+@jax.named_scope("exchange")
+def code_sums(
+    packed: list[jax.Array], axis_name: _axes.AxisName, n: int, strategy: Strategy
+) -> list[list[jax.Array]]:
+    """Per leaf, the digit rows of the sum over devices of its codes plus n: in [0, 2n].
+
+    `packed` holds each leaf's bytes from `pack_leaf`; they travel together. The sums
+    (unsigned, `sum_dtype(n)`) are the same on every device. With "all_gather", every
+    device sums every device's bytes; with "all_to_all", device j sums chunk j of every
+    device's bytes and the sums travel in base 2n + 1, in uint32 words.
+    """
+    dtype = sum_dtype(n)
+    offsets = _flat.offsets([p.size for p in packed])
+    flat = _packing.concatenate(packed)
+    if strategy == "all_gather":
+        gathered = _collectives.all_gather_invariant(flat, axis_name)  # (n, bytes)
+        return [
+            list(_packing.digit_sums(gathered[:, start:end], 3, dtype))
+            for start, end in itertools.pairwise(offsets)
+        ]
+    per_sum = _packing.values_per_word(2 * n + 1)
+    chunk = -(-flat.size // n)  # bytes per device, a whole number of sum words per digit
+    chunk += -chunk % per_sum
+    flat = jnp.pad(flat, (0, n * chunk - flat.size))
+    mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
+    partial = _packing.digit_sums(mine, 3, jnp.uint32)  # chunk j of every device
+    words = _packing.pack(partial.reshape(PER_BYTE, per_sum, -1), 2 * n + 1)
+    gathered = _collectives.all_gather_invariant(words, axis_name)  # (n, PER_BYTE, words)
+    digits = _packing.unpack(gathered, 2 * n + 1, axis=0).astype(dtype)
+    sums = digits.transpose(2, 1, 0, 3).reshape(PER_BYTE, -1)  # (PER_BYTE, n * chunk)
+    return [
+        [sums[i, start:end] for i in range(PER_BYTE)] for start, end in itertools.pairwise(offsets)
+    ]
