@@ -30,7 +30,16 @@ STUDIES = {
         "20",
     ],
     "terngrad_workers.py": ["--sizes", "2", "--epochs", "1"],
-    "lags_sparsity.py": ["--densities", "0.01", "--epochs", "1"],
+    "lags_sparsity.py": [
+        "--densities",
+        "0.01",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--probe-every",
+        "40",
+    ],
     "sgp_gossip.py": ["--epochs", "1", "--seeds", "0", "--batch-size", "64", "--devices", "4"],
     "local_gradients.py": [
         "--seeds",
