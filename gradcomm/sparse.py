@@ -7,18 +7,19 @@ Three pieces, shared by every sparse method:
   the same entries without a sort (`gradcomm._topk`, re-exported here).
 * `sum_sparse(sent, sizes, axis_name)`: one fixed-capacity all-gather of every device's
   (value, index) pairs (values and indices in one byte buffer; never a variable-size
-  message), decoded per dtype in device order (see below); optionally divided by N on the
-  entries that were sent, which
-  gives the bits of dividing the dense sum without a pass over it.
+  message), decoded once per dtype in device order (see below); optionally divided by N
+  on the entries that were sent, which gives the bits of dividing the dense sum without a
+  pass over it.
   `sum_sparse_segments` decodes one sparse vector over a concatenation of leaves (SLGS).
 * Error feedback: the residual keeps exactly what was not sent. `residual' = acc - sent`
   is computed as `acc` with the sent entries set to zero, so
   `residual' + sent == acc` bit for bit.
 
 The decode sums, index by index, the values of the devices that sent it in device order,
-`((0 + v_0) + v_1) + ...`: one scatter-add per device, in a loop over the devices. Each
-device's indices are distinct, so no scatter adds twice into one place and the order of a
-scatter's own updates cannot matter: the same bits on every device and every run, on every
+`((0 + v_0) + v_1) + ...`: one scatter-add per device, in one loop over the devices for
+all the leaves of a dtype (each leaf's indices moved to its place in their
+concatenation). Each device's indices are distinct, so no scatter adds twice into one
+place and the order of a scatter's own updates cannot matter: the same bits on every device and every run, on every
 backend, duplicates across devices included. A fixed number of operations whatever N was
 built and measured (a scatter-max for each index's first owner, a grid of the other
 devices' values at their owners' columns, added row by row): the same bits, but its grid
@@ -265,11 +266,14 @@ def sum_sparse(
     for group in _flat.dtype_groups([sent[i][0] for i in sparse_ids]):
         ids = [sparse_ids[j] for j in group]
         all_values, all_indices = _gather_pairs([sent[i] for i in ids], axis_name)
+        # One decode for the group: each leaf's indices moved to its place in the
+        # concatenation (leaves are disjoint there, so each sums exactly as alone).
         columns = _flat.offsets([sent[i][0].shape[0] for i in ids])
-        for i, (start, end) in zip(ids, itertools.pairwise(columns), strict=True):
-            out[i] = _sum_in_device_order(
-                all_values[:, start:end], all_indices[:, start:end], sizes[i], divide_by
-            )
+        starts = _flat.offsets([sizes[i] for i in ids])
+        shift = np.repeat(starts[:-1], np.diff(columns)).astype(np.int32)
+        total = _sum_in_device_order(all_values, all_indices + shift, starts[-1], divide_by)
+        for i, (start, end) in zip(ids, itertools.pairwise(starts), strict=True):
+            out[i] = total[start:end]
     return out
 
 
