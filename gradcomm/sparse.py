@@ -16,16 +16,16 @@ Three pieces, shared by every sparse method:
   `residual' + sent == acc` bit for bit.
 
 The decode sums, index by index, the values of the devices that sent it in device order,
-`((0 + v_0) + v_1) + ...`: one scatter-add per device, in one loop over the devices for
-all the leaves of a dtype (each leaf's indices moved to its place in their
-concatenation). Each device's indices are distinct, so no scatter adds twice into one
-place and the order of a scatter's own updates cannot matter: the same bits on every device and every run, on every
+`((0 + v_0) + v_1) + ...`: one scatter-add per device, in one loop over the devices for all
+the leaves of a dtype (each leaf's indices moved to its place in their concatenation). Each
+device's indices are distinct, so no scatter adds twice into one place and the order of a
+scatter's own updates cannot matter: the same bits on every device and every run, on every
 backend, duplicates across devices included. A fixed number of operations whatever N was
-built and measured (a scatter-max for each index's first owner, a grid of the other
-devices' values at their owners' columns, added row by row): the same bits, but its grid
-holds k N (N - 1) / 2 values, and on XLA:CPU it took 1.2 to 1.8 times as long as the loop
-for N = 2 to 8 (`experiments/bench_scaling.py`); a stable sort by index took about 30
-times as long. The loop's work, N k updates, is what the exchange must do anyway.
+built and measured (a scatter-max for each index's first owner, a grid of the other devices'
+values at their owners' columns, added row by row): the same bits, but its grid holds k N (N
+- 1) / 2 values, and on XLA:CPU it took 1.2 to 1.8 times as long as the loop for N = 2 to 8
+(`experiments/bench_scaling.py`); a stable sort by index took about 30 times as long. The
+loop's work, N k updates, is what the exchange must do anyway.
 """
 
 from __future__ import annotations
