@@ -263,3 +263,22 @@ def test_segments_are_the_device_order_sum_of_the_concatenation_cut():
     expected = np.split(device_order_sum(values, indices, SIZE, divide_by=8), [20, 21])
     for got, want in zip(out, expected, strict=True):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32)[None].repeat(8, 0))
+
+
+def test_the_loop_decode_has_the_bits_of_the_sort_decode(tmp_path):
+    """experiments/bench_decode.py's alternative (sort, fold runs, one scatter) agrees bit for
+    bit with the loop on N = 2..4, with NaN, -0.0 and inf planted, and the script says so."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "experiments"))
+    import bench_decode
+
+    bench_decode.main(
+        ["--max-devices", "4", "--sizes", "4096", "--densities", "0.05", "--repeats", "1"]
+        + ["--out", str(tmp_path)]
+    )
+    rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
+    assert [r["n"] for r in rows] == [2, 3, 4]
+    assert all(r["same_bits"] for r in rows)
