@@ -55,20 +55,41 @@ def _find(directory: pathlib.Path, names: Sequence[str]) -> pathlib.Path:
         for candidate in (directory / name, directory / (name + ".gz")):
             if candidate.exists():
                 return candidate
-    raise SystemExit(f"none of {list(names)} (or .gz) found in {directory}")
+    raise ValueError(f"--data-dir: none of {list(names)} (or .gz) found in {directory}")
+
+
+# MNIST's four idx files, each under either of its usual names.
+MNIST_FILES = {
+    "x_train": ["train-images-idx3-ubyte", "train-images.idx3-ubyte"],
+    "y_train": ["train-labels-idx1-ubyte", "train-labels.idx1-ubyte"],
+    "x_test": ["t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"],
+    "y_test": ["t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"],
+}
+CIFAR10_FILES = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]
+
+
+def _root(name: str, data_dir: str | os.PathLike) -> pathlib.Path:
+    """`data_dir`, or its subdirectory that the dataset's archive unpacks to."""
+    root = pathlib.Path(data_dir)
+    sub = root / ("mnist" if name == "mnist" else "cifar-10-batches-py")
+    return sub if sub.is_dir() else root
+
+
+def check_files(name: str, data_dir: str | os.PathLike) -> None:
+    """Raises ValueError, naming what is missing, unless `data_dir` holds `name`'s files."""
+    root = _root(name, data_dir)
+    if name == "mnist":
+        for names in MNIST_FILES.values():
+            _find(root, names)
+    elif missing := [f for f in CIFAR10_FILES if not (root / f).exists()]:
+        raise ValueError(f"--data-dir: {', '.join(missing)} not found in {root}: expected "
+                         "the CIFAR-10 python batches (cifar-10-batches-py)")  # fmt: skip
 
 
 def load_mnist(data_dir: str | os.PathLike) -> Dataset:
     """MNIST from the four standard idx files in `data_dir` (or `data_dir/mnist`)."""
-    root = pathlib.Path(data_dir)
-    root = root / "mnist" if (root / "mnist").is_dir() else root
-    parts = {
-        "x_train": ["train-images-idx3-ubyte", "train-images.idx3-ubyte"],
-        "y_train": ["train-labels-idx1-ubyte", "train-labels.idx1-ubyte"],
-        "x_test": ["t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"],
-        "y_test": ["t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"],
-    }
-    arrays = {key: _read_idx(_find(root, names)) for key, names in parts.items()}
+    root = _root("mnist", data_dir)
+    arrays = {key: _read_idx(_find(root, names)) for key, names in MNIST_FILES.items()}
     images = {k: (arrays[k] / 255.0).astype(np.float32)[..., None] for k in ("x_train", "x_test")}
     labels = {k: arrays[k].astype(np.int32) for k in ("y_train", "y_test")}
     return Dataset(
@@ -80,14 +101,10 @@ def load_cifar10(data_dir: str | os.PathLike) -> Dataset:
     """CIFAR-10 from the standard python batches (`cifar-10-batches-py`) in `data_dir`."""
     import pickle
 
-    root = pathlib.Path(data_dir)
-    root = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+    root = _root("cifar10", data_dir)
 
     def read(name: str) -> tuple[np.ndarray, np.ndarray]:
-        path = root / name
-        if not path.exists():
-            raise SystemExit(f"{path} not found: expected the CIFAR-10 python batches")
-        with open(path, "rb") as f:
+        with open(root / name, "rb") as f:
             batch = pickle.load(f, encoding="bytes")
         x = batch[b"data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         return (x / 255.0).astype(np.float32), np.asarray(batch[b"labels"], np.int32)
@@ -114,6 +131,10 @@ def load_dataset(name: str, data_dir: str | None, seed: int = 0) -> Dataset:
         raise SystemExit(f"unknown dataset {name!r}: choose from {', '.join(DATASETS)}")
     if data_dir is None:
         raise SystemExit(f"--dataset {name} needs --data-dir with its files")
+    try:
+        check_files(name, data_dir)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return load_mnist(data_dir) if name == "mnist" else load_cifar10(data_dir)
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
+import _cli
 import _runtime
 import _tasks
 import jax
@@ -56,33 +58,47 @@ def on_devices(
     """
     spec = P("data")
 
-    def run(params: Any, batch: Any, *extras: Any) -> Any:
-        def body(params: Any, batch: Any, *extras: Any) -> Any:
-            if per_device_params:
-                params = jax.tree.map(lambda x: x[0], params)
-            else:
-                params = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), params)
-            return fn(params, batch, *jax.tree.map(lambda x: x[0], extras))
+    def body(params: Any, batch: Any, *extras: Any) -> Any:
+        if per_device_params:
+            params = jax.tree.map(lambda x: x[0], params)
+        else:
+            params = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), params)
+        return fn(params, batch, *jax.tree.map(lambda x: x[0], extras))
 
-        specs = (spec if per_device_params else P(), spec, *([spec] * len(extras)))
-        mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()))
-        return jax.tree.map(np.asarray, mapped(params, parallel.shard_batch(batch, mesh), *extras))
+    @functools.cache
+    def mapped(extras: int) -> Callable[..., Any]:  # one jit per call site (and extras count)
+        specs = (spec if per_device_params else P(), spec, *([spec] * extras))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()))
+
+    def run(params: Any, batch: Any, *extras: Any) -> Any:
+        out = mapped(len(extras))(params, parallel.shard_batch(batch, mesh), *extras)
+        return jax.tree.map(np.asarray, out)
 
     return run
 
 
 def bytes_per_step(
-    method: Method, loss_fn: Callable[..., Any], mesh: Any, params: Any, batch: Any
+    method: Method,
+    loss_fn: Callable[..., Any],
+    mesh: Any,
+    params: Any,
+    batch: Any,
+    *,
+    state: Any = None,
+    step: Any = None,
 ) -> float:
     """Bytes one device sends per step after warm-up, averaged over the method's period.
 
     `wire.measure(step).average` of the real step, read from its compiled program: a
     warm-up branch is dropped, a periodic one (parameter averaging, a gossip phase) is
-    charged at its frequency.
+    charged at its frequency. Given the `state` and jitted `step` that `method.start` made
+    for `params`, it reads that step, whose compiled program the training then reuses (one
+    compilation instead of two); otherwise it starts the method afresh.
     """
-    host = parallel.host_copy(params, per_device=method.per_device)
-    placed, state, step = method.start(loss_fn, mesh, host)
-    return gradcomm.wire.measure(step, placed, state, batch).average
+    if step is None:
+        host = parallel.host_copy(params, per_device=method.per_device)
+        params, state, step = method.start(loss_fn, mesh, host)
+    return gradcomm.wire.measure(step, params, state, batch).average
 
 
 def train(
@@ -105,17 +121,15 @@ def train(
     For methods whose devices hold different params, the model tested is the mean of the
     devices' params (the federated model). `probe(params, state, batch)`, if given, runs
     before every `probe_every`-th step and returns a dict of values (NumPy or floats) to
-    record.
+    record. A progress bar shows on a terminal, with `progress`.
     """
-    from tqdm.auto import tqdm
-
     global_batch = parallel.num_shards(mesh) * batch_per_device
     host = task.init(jax.random.key(seed))
     params, state, step = method.start(task.loss_fn, mesh, host, donate=probe is None)
     first = task.batches(global_batch, seed, 0)
     if not first:
         raise SystemExit(f"the global batch {global_batch} is larger than the training set")
-    sent = bytes_per_step(method, task.loss_fn, mesh, params, first[0])
+    sent = bytes_per_step(method, task.loss_fn, mesh, params, first[0], state=state, step=step)
 
     losses, epoch_accuracy, times = [], [], []
     probe_steps: list[int] = []
@@ -123,7 +137,9 @@ def train(
     eval_steps: list[int] = []
     eval_accuracy: list[float] = []
     start = time.perf_counter()
-    bar = tqdm(total=epochs * len(first), desc=method.name, disable=not progress, leave=False)
+    bar = _cli.progress(
+        total=epochs * len(first), desc=method.name, quiet=not progress, leave=False
+    )
     for epoch in range(epochs):
         for batch in task.batches(global_batch, seed, epoch):
             if probe is not None and len(losses) % probe_every == 0:
@@ -160,11 +176,16 @@ def train(
 def _model_params(params: Any, per_device: bool, mesh: Any) -> Any:
     """The params to test: the mean over devices for per-device params."""
     if per_device:
-        mean = jax.jit(
-            lambda t: jax.tree.map(lambda x: x.mean(0), t), out_shardings=NamedSharding(mesh, P())
-        )
-        params = mean(params)
+        params = _device_mean(mesh)(params)
     return parallel.host_copy(params)
+
+
+@functools.cache
+def _device_mean(mesh: Any) -> Callable[[Any], Any]:
+    """Per-device params' mean over the device axis, replicated on `mesh` (one jit a mesh)."""
+    return jax.jit(
+        lambda t: jax.tree.map(lambda x: x.mean(0), t), out_shardings=NamedSharding(mesh, P())
+    )
 
 
 # train's settings and the flags that set them, where a study declares the flag.
@@ -186,8 +207,8 @@ def train_as_flagged(
 ) -> RunResult:
     """`train` with the study's flags: `--epochs`, `--batch-size`, `--seed`, `--probe-every`
     and `--eval-every` where it has them, and a progress bar in process 0 unless
-    `--no-progress`; `settings` (`train`'s keyword arguments) add to them or override them.
+    `--quiet`; `settings` (`train`'s keyword arguments) add to them or override them.
     """
     flagged = {key: getattr(args, flag) for key, flag in _FLAGS.items() if hasattr(args, flag)}
-    flagged["progress"] = _runtime.is_main_process() and not args.no_progress
+    flagged["progress"] = _runtime.is_main_process() and not args.quiet
     return train(method, task, mesh, **(flagged | settings))

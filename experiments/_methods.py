@@ -126,11 +126,17 @@ def rows(names: Sequence[str] = NETWORK) -> list[dict[str, Any]]:
 
 
 def parse(text: str) -> list[str]:
-    """The comma-separated method names of a flag, each checked against the registry."""
+    """The comma-separated method names of a flag, each checked against the registry.
+
+    Raises:
+      ValueError: a name is not in the registry (the message lists the known ones), or
+        there is none.
+    """
     names = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
-        raise SystemExit(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
+        shown = ", ".join(unknown) if unknown else "none given"
+        raise ValueError(f"unknown method(s): {shown}; choose from {', '.join(METHODS)}")
     return names
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import _netcluster as netcluster
+import _report
 import numpy as np
 from _methods import NETWORK
 from _networker import PATTERNS, spec_of
@@ -57,6 +58,18 @@ def records_of(
     return out
 
 
+def label_of(record: dict[str, Any]) -> str:
+    """The registry's label of the method a record timed, found by what it ran (method,
+    options, sync), so that records written under an older label ("lags-0.01") still
+    match; the record's own label where no method of the registry ran that."""
+    ran = {k: record.get(k) for k in ("method", "options", "sync")}
+    for label in NETWORK:
+        described = spec_of(label).describe()
+        if {k: described[k] for k in ran} == ran:
+            return label
+    return record["label"]
+
+
 def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
     """Markdown: per node count, a row per method and a column per rate (ratio, seconds)."""
     lines = [
@@ -65,7 +78,7 @@ def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
         "",
     ]
     for nodes in sorted({r["nodes"] for r in records}):
-        cells = {(r["label"], r["rate"]): r for r in records if r["nodes"] == nodes}
+        cells = {(label_of(r), r["rate"]): r for r in records if r["nodes"] == nodes}
         link = {
             rate: next((r["link_mbit_measured"] for (_, q), r in cells.items() if q == rate), None)
             for rate in rates
@@ -87,37 +100,37 @@ def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
 
 def plot(records: Sequence[dict[str, Any]], path: Any) -> None:
     """Step time against link bandwidth, one line per method, a panel per node count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     node_counts = sorted({r["nodes"] for r in records})
-    fig, axes = plt.subplots(1, len(node_counts), figsize=(6 * len(node_counts), 4.5))
-    axes = list(axes) if len(node_counts) > 1 else [axes]
-    cmap = plt.get_cmap("tab20")
-    markers = "osD^vP*Xhp<>d"
-    for ax, nodes in zip(axes, node_counts, strict=True):
-        for k, label in enumerate(NETWORK):
-            rows = [r for r in records if r["nodes"] == nodes and r["label"] == label]
-            rows = [r for r in rows if r["link_mbit_measured"]]
-            if not rows:
-                continue
-            rows.sort(key=lambda r: r["link_mbit_measured"])
-            ax.plot(
-                [r["link_mbit_measured"] for r in rows], [r["step_s"] for r in rows],
-                marker=markers[k % len(markers)], color=cmap(k), label=label,
+    params = max(r["params"] for r in records)
+
+    def draw(fig: Any) -> None:
+        axes = np.atleast_1d(fig.subplots(1, len(node_counts)))
+        for ax, nodes in zip(axes, node_counts, strict=True):
+            for label in NETWORK:
+                rows = [r for r in records if r["nodes"] == nodes and label_of(r) == label]
+                rows = sorted(
+                    (r for r in rows if r["link_mbit_measured"]),
+                    key=lambda r: r["link_mbit_measured"],
+                )
+                if rows:
+                    ax.plot(
+                        [r["link_mbit_measured"] for r in rows], [r["step_s"] for r in rows],
+                        label=label, **_report.style(label),
+                    )  # fmt: skip
+            ax.set(
+                xscale="log", yscale="log", xlabel="measured link bandwidth (Mbit/s, log scale)",
+                ylabel="step time (s, log scale)",
+                title=f"{nodes} hosts, {params / 1e6:.1f}M-parameter MLP, Adam",
             )  # fmt: skip
-        ax.set(
-            xscale="log", yscale="log", xlabel="measured link bandwidth (Mbit/s)",
-            ylabel="step time (s)", title=f"{nodes} hosts, 4M-parameter MLP, Adam",
-        )  # fmt: skip
-        ax.grid(alpha=0.3, which="both")
-    axes[-1].legend(fontsize=7, ncol=2)
-    fig.suptitle("Step time on an emulated network (tc tbf, gloo); rightmost point: unshaped")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            ax.grid(alpha=0.3, which="both")
+        axes[-1].legend(fontsize=7, ncol=2)
+
+    _report.save_figure(
+        path,
+        draw,
+        title="Step time on an emulated network (tc tbf, gloo); rightmost point: unshaped",
+        size=(6 * len(node_counts), 4.8),
+    )
 
 
 def pattern_table(records: Sequence[dict[str, Any]], mib: float, repeats: int) -> str:

@@ -2,8 +2,9 @@
 
 `bench_network.py` starts one per host of an emulated cluster (`_netcluster.py`); each joins
 the run (gloo collectives over the shaped links) and process 0 prints its result as one
-line, `RESULT <json>`. JAX is imported inside the workers only: the driver reads the
-methods' specs from here without starting it.
+line, `RESULT {"results": ..., "devices": ...}` (the devices as `_provenance.devices_info`
+gives them). JAX is imported inside the workers only: the driver reads the methods' specs
+from here without starting it.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def _join(config: dict[str, Any], devices: int) -> list[Any]:
 
 def worker(config: dict[str, Any]) -> None:
     """One host's process: trains with every method, prints records (process 0) as JSON."""
+    import _provenance
+
     local = config["local"]
     devices = _join(config, 2 if local else 1)
     import jax
@@ -176,7 +179,8 @@ def worker(config: dict[str, Any]) -> None:
             }
             for label, run in runs.items()
         }
-        print("RESULT " + json.dumps(out), flush=True)
+        info = _provenance.devices_info(devices)
+        print("RESULT " + json.dumps({"results": out, "devices": info}), flush=True)
 
 
 PATTERNS = (
@@ -201,6 +205,8 @@ def pattern_worker(config: dict[str, Any]) -> None:
     device sends one buffer, as in a swap) and a 2-member psum of the buffer, which is
     what gradcomm's pairwise exchange runs (on the bits, as unsigned integers).
     """
+    import _provenance
+
     devices = _join(config, 1)
     import jax
     import numpy as np
@@ -254,4 +260,5 @@ def pattern_worker(config: dict[str, Any]) -> None:
         if jax.process_index() == 0:
             print(f"[{config['rate']} N={n}] {name}: {results[name]:.3f} s", file=sys.stderr)
     if jax.process_index() == 0:
-        print("RESULT " + json.dumps(results), flush=True)
+        info = _provenance.devices_info(devices)
+        print("RESULT " + json.dumps({"results": results, "devices": info}), flush=True)

@@ -1,8 +1,10 @@
 """Devices, hosts and the flags every experiment shares.
 
-Scripts call `add_common_args` on their parser and `setup` before anything touches a JAX
-device: `setup` simulates CPU devices (`--devices`), or joins a multi-host run
-(`--coordinator-address`, `--num-processes`, `--process-id`, gloo collectives on CPU).
+Scripts call `add_common_args` on their parser, `parse_args` (which checks the shared
+flags, and the script's own checks, before any device is touched: a bad flag exits with
+the usage and a message) and `setup` before anything touches a JAX device: `setup`
+simulates CPU devices (`--devices`), or joins a multi-host run (`--coordinator-address`,
+`--num-processes`, `--process-id`, gloo collectives on CPU).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import _cli
+import _data
 import jax
 
 
@@ -26,22 +30,26 @@ def add_common_args(
     group = parser.add_argument_group("devices and hosts")
     group.add_argument(
         "--devices",
-        type=int,
+        type=positive_int,
         default=None,
         help="devices per process: simulated on a CPU (default 8 there), or the first N "
         "accelerators (default: all of them)",
     )
     group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
-    group.add_argument("--num-processes", type=int, default=1, help="processes in the run")
+    group.add_argument("--num-processes", type=positive_int, default=1, help="processes in the run")
     group.add_argument("--process-id", type=int, default=0, help="this process's index")
     if data:
         parser.add_argument(
             "--dataset",
             default="digits",
-            help="digits (bundled), mnist or cifar10 (from --data-dir)",
+            choices=_data.DATASETS,
+            help="digits (bundled with scikit-learn), or mnist or cifar10 from --data-dir",
         )
         parser.add_argument(
-            "--data-dir", default=None, help="directory with MNIST idx files or CIFAR-10 batches"
+            "--data-dir",
+            default=None,
+            help="directory with the MNIST idx files or the CIFAR-10 python batches "
+            "(needed for mnist and cifar10)",
         )
     if seed:
         parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -50,7 +58,49 @@ def add_common_args(
         default="runs/" + pathlib.Path(sys.argv[0]).stem,
         help="output directory for JSON, PNG and Markdown",
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _cli.add_quiet(parser)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_common(args: argparse.Namespace) -> None:
+    """The shared flags make sense together (ValueError, with the reason, if not)."""
+    if args.process_id < 0 or args.process_id >= args.num_processes:
+        raise ValueError(
+            f"--process-id {args.process_id}: must be in 0..{args.num_processes - 1} "
+            f"(--num-processes {args.num_processes})"
+        )
+    if args.num_processes > 1 and not args.coordinator_address:
+        raise ValueError("--num-processes above 1 needs --coordinator-address host:port")
+    if getattr(args, "dataset", "digits") != "digits":
+        if args.data_dir is None:
+            raise ValueError(f"--dataset {args.dataset} needs --data-dir with its files")
+        if not pathlib.Path(args.data_dir).is_dir():
+            raise ValueError(f"--data-dir {args.data_dir}: no such directory")
+        _data.check_files(args.dataset, args.data_dir)
+    for flag in ("epochs", "batch_size", "probe_every", "eval_every"):
+        if getattr(args, flag, 1) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if hasattr(args, "seeds"):
+        _cli.comma_list(args.seeds, int, "--seeds")
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    *checks: Callable[[argparse.Namespace], None],
+) -> argparse.Namespace:
+    """`parser`'s flags, the shared ones checked, then each of `checks` (a `ValueError`
+    from any of them exits with the parser's usage and the message)."""
+    args = parser.parse_args(argv)
+    _cli.check(parser, args, check_common, *checks)
+    return args
 
 
 def add_schedule_args(
@@ -86,20 +136,31 @@ def add_schedule_args(
 
 def seed_list(args: argparse.Namespace) -> list[int]:
     """The seeds of `--seeds`."""
-    return [int(x) for x in args.seeds.split(",")]
+    return _cli.comma_list(args.seeds, int, "--seeds")
 
 
 def setup(args: argparse.Namespace) -> list[jax.Device]:
-    """Configures JAX for the run and returns the devices to use (all processes')."""
+    """Configures JAX for the run and returns the devices to use (all processes').
+
+    Exits with a message where the devices asked for cannot be had: more than this
+    process's accelerators, or simulated CPU devices asked for after JAX's backend started
+    (its device count is fixed then).
+    """
     if args.devices is not None and args.devices < 1:
         raise SystemExit("--devices must be at least 1")
-    jax.config.update("jax_num_cpu_devices", args.devices or 8)
+    try:
+        jax.config.update("jax_num_cpu_devices", args.devices or 8)
+    except RuntimeError as e:  # the backend started before this call
+        raise SystemExit(f"--devices {args.devices}: {e}") from None
     if args.coordinator_address:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     local = jax.local_devices()
     if args.devices is not None and args.devices > len(local):
-        raise SystemExit(f"--devices {args.devices}: only {len(local)} local devices")
+        raise SystemExit(
+            f"--devices {args.devices}: this process has only {len(local)} "
+            f"{local[0].platform} device(s)"
+        )
     if args.devices is not None and local[0].platform != "cpu":
         keep = {
             d.id for p in range(jax.process_count()) for d in _first_of_process(p, args.devices)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 
+import _cli
 import _loop
 import _methods
+import _provenance
 import _report
 import _runtime
 import _tasks
@@ -30,14 +32,15 @@ from gradcomm import parallel
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--sizes", default="1,2,4,8,16,32", help="numbers of devices N")
     parser.add_argument("--lr", type=float, default=0.02, help="the small-batch learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     _runtime.add_schedule_args(parser, epochs=8, batch_size=4, probe_every=2, seeds=True)
     _runtime.add_common_args(parser)
-    args = parser.parse_args(argv)
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args = _runtime.parse_args(parser, argv, check_sizes)
+    sizes = sorted(set(_cli.comma_list(args.sizes, int, "--sizes")))
     args.devices = args.devices or max(sizes)
 
     devices = _runtime.setup(args)
@@ -102,8 +105,20 @@ def main(argv: list[str] | None = None) -> None:
             results,
             table,
             lambda fig: plot(fig, sizes, rows, probed),
+            provenance=stamp.record(devices, seeds=seeds),
+            title=f"Adasum at large batch: {task.name}, momentum SGD, "
+            f"{args.batch_size} examples per device, {args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """Every N of `--sizes` is at least 1, and `--devices` (if given) holds the largest."""
+    sizes = _cli.comma_list(args.sizes, int, "--sizes")
+    if min(sizes) < 1:
+        raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
+    if args.devices is not None and args.devices < max(sizes):
+        raise ValueError(f"--sizes up to {max(sizes)} needs --devices {max(sizes)} or more")
 
 
 def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _loop.RunResult) -> None:
@@ -111,8 +126,9 @@ def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _loop.RunResu
     for name in ("allreduce", "adasum"):
         acc = np.array([[100 * a for _, m, k, a, _ in rows if m == n and k == name] for n in sizes])
         label = name + (" (lr x N)" if name == "allreduce" else " (lr)")
-        left.plot(sizes, acc.mean(1), "o-", label=label)
-        left.fill_between(sizes, acc.min(1), acc.max(1), alpha=0.2)
+        kw = _report.style(name)
+        left.plot(sizes, acc.mean(1), label=label, **kw)
+        left.fill_between(sizes, acc.min(1), acc.max(1), color=kw["color"], alpha=0.15)
     left.set(
         xscale="log",
         xlabel="devices N (fixed batch per device)",
@@ -124,10 +140,10 @@ def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _loop.RunResu
     for leaf in values[0]:
         right.plot(probed.probe_steps, [v[leaf] for v in values], lw=1, label=leaf)
     mean = [np.mean(list(v.values())) for v in values]
-    right.plot(probed.probe_steps, mean, "r-", lw=3, label="mean over layers")
+    right.plot(probed.probe_steps, mean, "k-", lw=3, label="mean over layers")
     right.set(
         xlabel="step",
-        ylabel="|AS(g)|^2 / sum |g_i|^2",
+        ylabel="|AS(g)|^2 / sum |g_i|^2 (1/N: parallel, 1: orthogonal)",
         ylim=(0, 1.05),
         title=f"gradient orthogonality, {probed.method}",
     )

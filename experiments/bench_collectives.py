@@ -23,7 +23,8 @@ Each row also gets a memory-bandwidth bound: the bytes the method must read and 
 per device (`min_bytes`, which states the count for each), divided by the bandwidth of
 an in-place copy (`x + 1`, donated) of every device's buffer of --bandwidth-size bytes,
 measured in the same run; `time/bound` says how far a kernel is from streaming its data once. Writes
-bench_collectives.json and bench_collectives.md to --out.
+bench_collectives.json, bench_collectives.md and bench_collectives.png (time and time over
+psum's against the message size) to --out.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _cli
+import _methods
+import _provenance
+import _report
 import _runtime
 import jax
 import jax.numpy as jnp
@@ -173,7 +178,7 @@ DEFAULT_SIZES = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
 def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*", text)
     if not match:
-        raise SystemExit(f"bad size {text!r}: use e.g. 4KiB, 16MiB")
+        raise ValueError(f"bad size {text!r}: use e.g. 4KiB, 16MiB")
     scale = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[match.group(2)]
     return int(match.group(1)) * scale
 
@@ -230,8 +235,8 @@ def time_once(fn: Callable[[Any], Any], inputs: Any) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes")
     parser.add_argument(
         "--methods",
@@ -251,15 +256,27 @@ def main(argv: list[str] | None = None) -> None:
         help="bytes per device of the in-place copy that measures the memory bandwidth "
         "(larger than the caches)",
     )
-    _runtime.add_common_args(parser)
-    args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    methods = ["psum"] + [m for m in args.methods.split(",") if m and m != "psum"]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
-    bandwidth_size = parse_size(args.bandwidth_size)
+    _runtime.add_common_args(parser, data=False)
 
+    def check(args: argparse.Namespace) -> None:
+        args.size_list = _cli.comma_list(args.sizes, parse_size, "--sizes")
+        args.bandwidth_bytes = parse_size(args.bandwidth_size)
+        args.method_list = ["psum"] + [m for m in args.methods.split(",") if m and m != "psum"]
+        unknown = [m for m in args.method_list if m not in METHODS]
+        if unknown:
+            raise ValueError(
+                f"unknown method(s): {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+            )
+        if args.repeats < 1 or args.leaves < 1:
+            raise ValueError("--repeats and --leaves must be at least 1")
+
+    return _runtime.parse_args(parser, argv, check)
+
+
+def main(argv: list[str] | None = None) -> None:
+    stamp = _provenance.start(argv)
+    args = parse_args(argv)
+    sizes, methods, bandwidth_size = args.size_list, args.method_list, args.bandwidth_bytes
     devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = parallel.num_shards(mesh)
@@ -268,11 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     if main_process:
         print(f"gradcomm {gradcomm.__version__}: {_runtime.describe(devices)}")
 
-    from tqdm.auto import tqdm
-
     copy_seconds = measure_copy(mesh, bandwidth_size, args.repeats, args.seed)
     rows = []
-    for size in tqdm(sizes, desc="sizes", disable=not main_process or args.no_progress):
+    for size in _cli.progress(sizes, desc="sizes", quiet=not main_process or args.quiet):
         floats = make_inputs(mesh, size, args.leaves, args.seed)
         inputs = {
             m: compile_collective(PREPARE[m], mesh)(floats) if m in PREPARE else floats
@@ -329,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         config = {**vars(args), "devices": _runtime.describe(devices)}
         result = {
             "config": config,
+            "provenance": stamp.record(devices, seeds=[args.seed]),
             "bandwidth": {
                 "bytes_per_device": bandwidth_size,
                 "copy_seconds": copy_seconds,
@@ -338,7 +354,39 @@ def main(argv: list[str] | None = None) -> None:
         }
         (out / "bench_collectives.json").write_text(json.dumps(result, indent=1))
         (out / "bench_collectives.md").write_text(table + "\n")
-        print(f"\n{table}\n\nwrote {out}/bench_collectives.json, bench_collectives.md")
+        _report.save_figure(
+            out / "bench_collectives.png",
+            lambda fig: plot(fig, rows, methods),
+            title=f"Collectives and kernels against lax.psum, {_runtime.describe(devices)}",
+        )
+        print(f"\n{table}\n\nwrote {out}/bench_collectives.json, .md, .png")
+
+
+def plot(fig: Any, rows: list[dict[str, Any]], methods: list[str]) -> None:
+    """Median time and time over psum's against the message size, one line per method."""
+    left, right = fig.subplots(1, 2)
+    sizes = [r["bytes"] for r in rows]
+    for k, m in enumerate(methods):
+        kw = _style(m, k)
+        left.plot(sizes, [1e3 * r["median_seconds"][m] for r in rows], label=m, **kw)
+        right.plot(sizes, [r["ratio_to_psum"][m] for r in rows], label=m, **kw)
+    left.set(xlabel="message per device (bytes, log scale)", ylabel="median time (ms, log scale)",
+             yscale="log", title="time per call")  # fmt: skip
+    right.set(xlabel="message per device (bytes, log scale)", ylabel="time / psum's time",
+              title="against lax.psum (1: as fast)")  # fmt: skip
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3, which="both")
+    right.axhline(1, color="k", lw=1)
+    right.legend(fontsize=7, ncol=2)
+
+
+def _style(method: str, k: int) -> dict[str, Any]:
+    """A registry method's style (psum as the all-reduce); a kernel's a dotted line."""
+    name = "allreduce" if method == "psum" else method
+    if name in _methods.METHODS:
+        return _report.style(name)
+    return {"marker": _report.MARKERS[-1 - k % 5], "linestyle": ":"}
 
 
 if __name__ == "__main__":

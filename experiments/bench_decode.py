@@ -20,8 +20,8 @@ For each size, density and N = 2 .. --max-devices it checks that both give the s
 (NaN, -0.0 and inf planted among the values) and reports the median time of each on one
 device of the chosen backend: the decode is the same program on every device, so one
 device's time is each device's. A share --overlap of every device's indices is common to
-all devices, as top-k indices of correlated gradients are. Writes bench_decode.json and
-bench_decode.md to --out.
+all devices, as top-k indices of correlated gradients are. Writes bench_decode.json,
+bench_decode.md and bench_decode.png (sort over loop against N) to --out.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from jax import lax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import _cli
+import _provenance
+import _report
 from bench_scaling import device_pairs, median_seconds
 
 
@@ -105,11 +108,24 @@ def table(rows: list[dict[str, Any]], device: str) -> str:
     return "\n".join(lines)
 
 
+def plot(fig: Any, rows: list[dict[str, Any]]) -> None:
+    """The sort's time over the loop's against N, one line per size and density."""
+    ax = fig.subplots()
+    cells = sorted({(r["size"], r["density"]) for r in rows})
+    for size, density in cells:
+        cell = [r for r in rows if (r["size"], r["density"]) == (size, density)]
+        ax.plot([r["n"] for r in cell], [r["sort_over_loop"] for r in cell], marker="o",
+                label=f"{size:,} elements, density {density:g}")  # fmt: skip
+    ax.axhline(1, color="k", lw=1)
+    ax.set(xlabel="devices N (pairs decoded)", ylabel="sort time / loop time (above 1: loop "
+           "faster)", yscale="log")  # fmt: skip
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--platform", default=None, help="cpu, gpu or tpu (default: jax's)")
     parser.add_argument("--max-devices", type=int, default=8, help="N runs from 2 to this")
     parser.add_argument("--sizes", default="278784,16777216", help="comma-separated sizes")
@@ -120,27 +136,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=50, help="timed calls per measurement")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
     parser.add_argument("--out", default="runs/bench_decode", help="output directory")
+    _cli.add_quiet(parser)
     args = parser.parse_args(argv)
-    if args.max_devices < 2:
-        parser.error("--max-devices must be at least 2")
+
+    def check(args: argparse.Namespace) -> None:
+        if args.max_devices < 2:
+            raise ValueError("--max-devices must be at least 2")
+        args.size_list = _cli.comma_list(args.sizes, int, "--sizes")
+        args.density_list = _cli.comma_list(args.densities, float, "--densities")
+        if min(args.size_list) < 1 or not all(0 < d <= 1 for d in args.density_list):
+            raise ValueError("every size must be at least 1 and every density in (0, 1]")
+
+    _cli.check(parser, args, check)
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    densities = [float(d) for d in args.densities.split(",") if d]
-    rows = [
-        measure(n, size, density, args)
-        for size in sizes
-        for density in densities
+    try:
+        device = jax.devices()[0]
+    except RuntimeError as e:
+        raise SystemExit(f"--platform {args.platform}: {e}") from None
+    cells = [
+        (n, size, density)
+        for size in args.size_list
+        for density in args.density_list
         for n in range(2, args.max_devices + 1)
     ]
-    device = jax.devices()[0].device_kind
-    result = {"config": vars(args), "jax": jax.__version__, "device": device, "rows": rows}
-    text = table(rows, device)
+    rows = [measure(*cell, args) for cell in _cli.progress(cells, quiet=args.quiet)]
+    result = {
+        "config": vars(args),
+        "provenance": stamp.record([device], seeds=[args.seed]),
+        "jax": jax.__version__,
+        "device": device.device_kind,
+        "rows": rows,
+    }
+    text = table(rows, device.device_kind)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
     (out / "bench_decode.md").write_text(text + "\n")
-    print(f"{text}\n\nwrote {out}/bench_decode.json, .md")
+    _report.save_figure(
+        out / "bench_decode.png",
+        lambda fig: plot(fig, rows),
+        title=f"Sparse decode on {device.device_kind}: one sort against gradcomm's loop",
+        size=(7.5, 5),
+    )
+    print(f"{text}\n\nwrote {out}/bench_decode.json, .md, .png")
     if not all(r["same_bits"] for r in rows):
         raise SystemExit("the two decodes differ: see same_bits")
 

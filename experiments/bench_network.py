@@ -58,10 +58,14 @@ from typing import Any
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _cli  # noqa: E402
 import _methods  # noqa: E402
 import _netcluster as netcluster  # noqa: E402
 import _netreport  # noqa: E402
 import _networker  # noqa: E402
+import _provenance  # noqa: E402
+
+SEEDS = [0]  # the MLP's initial params and its fixed batch (`_networker.mlp_task`)
 
 # glibc malloc tunables (glibc >= 2.26) that keep freed memory mapped for reuse: one arena
 # (thread arenas return large blocks to the kernel), no mmap for large blocks, no trimming.
@@ -81,8 +85,9 @@ def worker_env(allocator: str) -> dict[str, str]:
 
 def run_cell(
     nodes: int, rate: str, args: argparse.Namespace, **extra: Any
-) -> tuple[dict[str, Any], list[float]]:
-    """One cluster, one worker process per host: the worker's result, and the links.
+) -> tuple[dict[str, Any], list[float], dict[str, Any]]:
+    """One cluster, one worker process per host: the worker's result, the links, and the
+    devices the workers ran on (`_provenance.devices_info`).
 
     `extra` goes into the workers' config (`mode="patterns"` times raw collectives).
     """
@@ -126,14 +131,12 @@ def run_cell(
         if failed:
             raise RuntimeError(f"worker(s) {failed} failed at N={nodes}, {rate}")
         result = next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))
-        return json.loads(result[len("RESULT ") :]), links
+        payload = json.loads(result[len("RESULT ") :])
+        return payload["results"], links, payload["devices"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--nodes", default="2,4", help="comma-separated host counts")
     parser.add_argument(
         "--rates", default="unshaped,1gbit,100mbit", help="comma-separated tc rates or unshaped"
@@ -174,29 +177,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if min(args.node_list) < 2:
         parser.error("--nodes: every node count must be at least 2")
-    labels = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in labels if m not in _methods.METHODS]
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}: choose from {', '.join(_methods.METHODS)}")
+    try:
+        labels = _methods.parse(args.methods)
+    except ValueError as e:
+        parser.error(str(e))
     args.labels = ["allreduce", *[m for m in labels if m != "allreduce"]]
     if args.steps < 1 or args.runs < 1 or args.shaped_runs < 1:
         parser.error("--steps, --runs and --shaped-runs must be at least 1")
     return args
 
 
-def measure_patterns(args: argparse.Namespace, out: pathlib.Path) -> list[dict[str, Any]]:
+def stamped(records: list[dict[str, Any]], stamp: _provenance.Stamp) -> list[dict[str, Any]]:
+    """The records, each with its provenance: its cell's devices, the run's wall time now."""
+    for r in records:
+        r["provenance"] = stamp.record(r["provenance"], seeds=SEEDS)
+    return records
+
+
+def measure_patterns(
+    args: argparse.Namespace, out: pathlib.Path, stamp: _provenance.Stamp
+) -> list[dict[str, Any]]:
     """Times raw collectives per node count and rate; writes patterns.json and patterns.md."""
     records = []
     for nodes in args.node_list:
         for rate in args.rate_list:
-            results, links = run_cell(nodes, rate, args, mode="patterns")
+            results, links, devices = run_cell(nodes, rate, args, mode="patterns")
             link = sum(links) / len(links) if links else None
             for name, seconds in results.items():
                 records.append(
                     {"pattern": name, "nodes": nodes, "rate": rate, "seconds": seconds,
-                     "mib": args.pattern_mib, "link_mbit_measured": link}
+                     "mib": args.pattern_mib, "link_mbit_measured": link, "provenance": devices}
                 )  # fmt: skip
-    (out / "patterns.json").write_text(json.dumps(records, indent=1))
+    (out / "patterns.json").write_text(json.dumps(stamped(records, stamp), indent=1))
     text = _netreport.pattern_table(records, args.pattern_mib, args.pattern_repeats)
     (out / "patterns.md").write_text(text + "\n")
     print(text)
@@ -204,6 +216,7 @@ def measure_patterns(args: argparse.Namespace, out: pathlib.Path) -> list[dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    stamp = _provenance.start(argv)
     args = parse_args(argv)
     if args.worker:
         config = json.loads(args.worker)
@@ -216,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.patterns:
-        return measure_patterns(args, out)
+        return measure_patterns(args, out, stamp)
     flat = [m for m in args.labels if not _methods.METHODS[m].local]
     local = [m for m in args.labels if _methods.METHODS[m].local]
     records: list[dict[str, Any]] = []
@@ -229,18 +242,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 if is_local and len(group) == 1:
                     continue
                 todo = [m for m in group if (nodes, m) not in bytes_known]
-                results, links = run_cell(
+                results, links, devices = run_cell(
                     nodes, rate, args, labels=group, local=is_local,
                     measure_bytes=bool(todo), cache=cache,
                 )  # fmt: skip
-                records += _netreport.records_of(
+                cell = _netreport.records_of(
                     results, nodes, rate, links, is_local, bytes_known, args.allocator
                 )
-                (out / "network.json").write_text(json.dumps(records, indent=1))
+                records += [{**r, "provenance": devices} for r in cell]
+                (out / "network.json").write_text(json.dumps(stamped(records, stamp), indent=1))
     shutil.rmtree(cache, ignore_errors=True)
     for r in records:  # bytes were measured in the first cell of each node count
         r["bytes_per_step"] = bytes_known.get((r["nodes"], r["label"]), r["bytes_per_step"])
-    (out / "network.json").write_text(json.dumps(records, indent=1))
+    (out / "network.json").write_text(json.dumps(stamped(records, stamp), indent=1))
     text = _netreport.table(records, args.rate_list)
     elapsed = time.perf_counter() - start
     flags = " ".join(sys.argv[1:] if argv is None else argv)

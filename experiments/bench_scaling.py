@@ -27,7 +27,8 @@ of per-device work: compare times at one N, or before and after a change at each
 Only gradcomm's public API is used (`gradcomm.sparse`, `gradcomm.lags`,
 `gradcomm.adasum_reduce`, `gradcomm.wire`, `gradcomm.parallel`), so the same script
 measures another checkout of the library put first on PYTHONPATH (the JSON records
-which one). Writes bench_scaling.json and bench_scaling.md to --out.
+which one, and its git commit). Writes bench_scaling.json, bench_scaling.md and
+bench_scaling.png (bytes and time against N) to --out.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _cli
+import _provenance
+import _report
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -240,11 +244,33 @@ def tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(fig: Any, result: dict[str, Any]) -> None:
+    """Bytes each device sends and the median time, against N."""
+    left, right = fig.subplots(1, 2)
+    n = [r["n"] for r in result["sparse"]]
+    sparse_kw, update_kw, adasum_kw = (
+        _report.style("lags"), _report.style("lags", 1), _report.style("adasum"),
+    )  # fmt: skip
+    left.plot(n, [r["bytes"] for r in result["sparse"]], label="sparse exchange", **sparse_kw)
+    left.plot(n, [r["bytes"] for r in result["adasum"]], label="adasum_reduce", **adasum_kw)
+    right.plot(n, [1e3 * r["seconds"] for r in result["sparse"]], label="sparse exchange",
+               **sparse_kw)  # fmt: skip
+    right.plot(n, [1e3 * r["lags_seconds"] for r in result["sparse"]], label="lags update",
+               **update_kw)  # fmt: skip
+    right.plot(n, [1e3 * r["seconds"] for r in result["adasum"]], label="adasum_reduce",
+               **adasum_kw)  # fmt: skip
+    left.set(xlabel="devices N", ylabel="bytes sent per device per call", yscale="symlog",
+             title="bytes on the wire (gradcomm.wire)")  # fmt: skip
+    right.set(xlabel="devices N", ylabel="median time per call (ms, log scale)", yscale="log",
+              title="time (simulated devices share the cores)")  # fmt: skip
+    for ax in (left, right):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument(
         "--devices", type=int, default=8, help="simulated CPU devices: N runs from 1 to this"
     )
@@ -258,17 +284,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
     parser.add_argument("--out", default="runs/bench_scaling", help="output directory")
+    _cli.add_quiet(parser)
     args = parser.parse_args(argv)
-    if args.devices < 1:
-        raise SystemExit("--devices must be at least 1")
+
+    def check(args: argparse.Namespace) -> None:
+        args.size_list = _cli.comma_list(args.sizes, int, "--sizes")
+        if args.devices < 1 or args.repeats < 1 or min(args.size_list) < 1:
+            raise ValueError("--devices, --repeats and every size must be at least 1")
+        if not 0 < args.density <= 1 or not 0 <= args.overlap <= 1:
+            raise ValueError("--density must be in (0, 1] and --overlap in [0, 1]")
+
+    _cli.check(parser, args, check)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     import gradcomm
 
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    rows = [measure(n, args, sizes) for n in range(1, args.devices + 1)]
+    sizes = args.size_list
+    steps = _cli.progress(range(1, args.devices + 1), desc="N", quiet=args.quiet)
+    rows = [measure(n, args, sizes) for n in steps]
     result = {
         "config": vars(args),
+        "provenance": stamp.record(jax.devices(), seeds=[args.seed]),
         "gradcomm": str(pathlib.Path(gradcomm.__file__).parent),
         "jax": jax.__version__,
         "sparse": [r["sparse"] for r in rows],
@@ -279,7 +315,15 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_scaling.json").write_text(json.dumps(result, indent=1))
     (out / "bench_scaling.md").write_text(table + "\n")
-    print(f"gradcomm from {result['gradcomm']}\n\n{table}\n\nwrote {out}/bench_scaling.json, .md")
+    _report.save_figure(
+        out / "bench_scaling.png",
+        lambda fig: plot(fig, result),
+        title=f"Cost against N: leaves of {args.sizes} elements, density {args.density:g}",
+    )
+    print(
+        f"gradcomm from {result['gradcomm']}\n\n{table}\n\n"
+        f"wrote {out}/bench_scaling.json, .md, .png"
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 
+import _cli
 import _loop
 import _methods
+import _provenance
 import _report
 import _runtime
 import _tasks
@@ -32,15 +34,16 @@ from gradcomm import parallel
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--densities", default="0.001,0.01", help="k/d, comma-separated")
     parser.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (constant)")
     _runtime.add_schedule_args(parser, epochs=20, batch_size=16, probe_every=5)
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
     parser.add_argument("--bandwidth", type=float, default=1.25e8, help="bytes per second")
     _runtime.add_common_args(parser)
-    args = parser.parse_args(argv)
-    densities = [float(d) for d in args.densities.split(",")]
+    args = _runtime.parse_args(parser, argv, check_densities)
+    densities = _cli.comma_list(args.densities, float, "--densities")
 
     devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
@@ -117,8 +120,28 @@ def main(argv: list[str] | None = None) -> None:
             extra={
                 "plan": {"densities": plan.densities, "backward_seconds": plan.backward_seconds}
             },
+            provenance=stamp.record(devices, seeds=[args.seed]),
+            title=f"LAGS-SGD: {task.name}, SGD (lr {args.lr:g}), {n} devices, {args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
+
+
+def check_densities(args: argparse.Namespace) -> None:
+    """Every density of `--densities` is in (0, 1]."""
+    densities = _cli.comma_list(args.densities, float, "--densities")
+    if not all(0 < d <= 1 for d in densities):
+        raise ValueError(f"--densities {args.densities}: every k/d must be in (0, 1]")
+
+
+def run_style(name: str) -> dict[str, object]:
+    """A run's style: dense as the all-reduce; "slgs d" and "lags d" as the registry's
+    methods, hollow at a density other than the registry's; the plan as a variant of LAGS."""
+    if name == "dense":
+        return _report.style("allreduce")
+    method, _, density = name.partition(" ")
+    registry = _methods.METHODS[method].options["density"]
+    variant = 2 if density == "plan" else int(float(density) != registry)
+    return _report.style(method, variant)
 
 
 def _delta_table(results: list, sizes: dict[str, int]) -> list[str]:
@@ -157,16 +180,24 @@ def plot(fig: object, results: list, probed: list, plan: gradcomm.LagsPlan) -> N
                 shown.probe_steps, [float(v[leaf]) for v in shown.probes["delta"]], lw=1, label=leaf
             )
         middle.axhline(1, color="k", ls="--", lw=1)
-        middle.set(xlabel="step", ylabel="delta(l)", title=f"Assumption 1, {shown.method}")
+        middle.set(
+            xlabel="step", ylabel="delta(l) (eq. 20; <= 1: Assumption 1 holds)",
+            title=f"Assumption 1, {shown.method}",
+        )  # fmt: skip
     for r in results:
         left.plot(
-            range(1, len(r.epoch_accuracy) + 1), 100 * np.array(r.epoch_accuracy), label=r.method
+            range(1, len(r.epoch_accuracy) + 1),
+            100 * np.array(r.epoch_accuracy),
+            label=r.method,
+            **run_style(r.method),
         )
     left.set(
         xlabel="epoch", ylabel="test accuracy (%)", title="Dense vs SLGS vs LAGS", ylim=(80, 100)
     )
     names = list(plan.densities)
-    right.bar(range(len(names)), [plan.densities[k] for k in names])
+    right.bar(
+        range(len(names)), [plan.densities[k] for k in names], color=run_style("lags plan")["color"]
+    )
     right.set_xticks(range(len(names)), names, rotation=60, fontsize=7)
     right.set(yscale="log", ylabel="density k/d", title="eq. 18 plan (backprop order)")
     for ax in (left, middle):

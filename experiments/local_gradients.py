@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import _cli
 import _loop
 import _methods
+import _provenance
 import _report
 import _runtime
 import _tasks
@@ -119,7 +121,8 @@ def configured(method: str, args: argparse.Namespace) -> _methods.Spec:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--models", default="transformer,lstm", help="transformer and/or lstm")
     parser.add_argument("--task", default="max", choices=sorted(TASKS), help="target")
     parser.add_argument(
@@ -141,10 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         "--target", type=float, default=0.9, help="token accuracy for the steps-to-target column"
     )
     _runtime.add_common_args(parser, data=False, seed=False)
-    args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    if set(models) - {"transformer", "lstm"}:
-        raise SystemExit(f"unknown model(s) in {models}: choose transformer, lstm")
+    args = _runtime.parse_args(parser, argv, check_models_and_methods)
+    models = _cli.comma_list(args.models, str, "--models")
     methods = _methods.parse(args.methods)
 
     devices = _runtime.setup(args)
@@ -197,8 +198,21 @@ def main(argv: list[str] | None = None) -> None:
             results,
             table,
             lambda fig: plot(fig, models, methods, rows),
+            provenance=stamp.record(devices, seeds=seeds),
+            title=f"Gradient dropping with local gradients: {args.task} task, Adam, "
+            f"{n} devices, {args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
+
+
+def check_models_and_methods(args: argparse.Namespace) -> None:
+    """`--models` names transformer and/or lstm; `--methods` methods of the registry."""
+    unknown = set(_cli.comma_list(args.models, str, "--models")) - {"transformer", "lstm"}
+    if unknown:
+        raise ValueError(
+            f"unknown model(s): {', '.join(sorted(unknown))}; choose transformer, lstm"
+        )
+    _methods.parse(args.methods)
 
 
 def steps_to(result: _loop.RunResult, target: float) -> int | None:
@@ -243,7 +257,8 @@ def plot(fig: object, models: list[str], methods: list[str], rows: list) -> None
         for m in methods:
             runs = [r for name, method, _, r in rows if (name, method) == (model_name, m)]
             curve = 100 * np.mean([r.eval_accuracy for r in runs], axis=0)
-            ax.plot(runs[0].eval_steps, curve, ".-", label=m)
+            every = max(1, len(curve) // 10)
+            ax.plot(runs[0].eval_steps, curve, label=m, markevery=every, **_report.style(m))
         ax.set(
             xlabel="step",
             ylabel="held-out token accuracy (%), mean over seeds",

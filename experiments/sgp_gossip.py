@@ -16,10 +16,10 @@ sgp_gossip.{json,png,md} to --out.
 
 from __future__ import annotations
 
-import argparse
-
+import _cli
 import _loop
 import _methods
+import _provenance
 import _report
 import _runtime
 import _tasks
@@ -45,11 +45,12 @@ def schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
     _runtime.add_schedule_args(parser, epochs=30, batch_size=16, probe_every=5, seeds=True)
     _runtime.add_common_args(parser)
-    args = parser.parse_args(argv)
+    args = _runtime.parse_args(parser, argv)
 
     devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
             results,
             table,
             lambda fig: plot(fig, [m.name for m in runs], results, lr),
+            provenance=stamp.record(devices, seeds=seeds),
+            title=f"SGP against the all-reduce: {task.name}, Nesterov SGD, {n} devices, "
+            f"{args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
 
@@ -123,6 +127,7 @@ def _table(names: list[str], results: list, num_seeds: int, last_quarter: int) -
     runs = {name: [r for r in results if r.method == name] for name in names}
     base = runs[names[0]]
     base_time = np.mean([r.step_seconds for r in base])
+    base_bytes = base[0].bytes_per_step
     for name, rs in runs.items():
         acc = 100 * np.array([r.test_accuracy for r in rs])
         loss = np.mean([np.mean(r.losses[-10:]) for r in rs])
@@ -131,21 +136,42 @@ def _table(names: list[str], results: list, num_seeds: int, last_quarter: int) -
         last = [v for s, v in zip(rs[0].probe_steps, d or [], strict=False) if s >= last_quarter]
         rows.append(
             f"| {name} | {acc.mean():.2f}% ({acc.min():.2f}-{acc.max():.2f}) | {loss:.4f} "
-            f"| {rs[0].bytes_per_step:,.0f} | {rs[0].bytes_per_step / base[0].bytes_per_step:.3f} "
+            f"| {rs[0].bytes_per_step:,.0f} "
+            f"| {f'{rs[0].bytes_per_step / base_bytes:.3f}' if base_bytes else '-'} "
             f"| {time:.2f}x | " + (f"{np.mean(last):.2e} |" if last else "- |")
         )
+    if not base_bytes:
+        rows += ["", _report.ONE_DEVICE]
     return "\n".join(rows)
+
+
+# Each run drawn as the registry's method it is, the study's own variants hollow.
+STYLES = {
+    "allreduce": ("allreduce", 0),
+    "sgp": ("sgp", 0),
+    "sgp 2-peer": ("sgp", 1),
+    "d-psgd": ("dpsgd", 0),
+    "1-osgp": ("osgp", 0),
+    "biased 1-osgp": ("osgp", 1),
+}
+
+
+def run_style(name: str) -> dict[str, object]:
+    """The style of a run of this study (the hybrid: a variant of SGP)."""
+    return _report.style(*STYLES.get(name, ("sgp", 2)))
 
 
 def plot(fig: object, names: list[str], results: list, lr: optax.Schedule) -> None:
     left, right = fig.subplots(1, 2)
-    for i, name in enumerate(names):
+    for name in names:
         runs = [r for r in results if r.method == name]
         acc = 100 * np.mean([r.epoch_accuracy for r in runs], axis=0)
-        left.plot(range(1, len(acc) + 1), acc, color=f"C{i}", label=name)
+        kw = {**run_style(name), "markevery": max(1, len(acc) // 10), "markersize": 5}
+        left.plot(range(1, len(acc) + 1), acc, label=name, **kw)
         if runs[0].probes.get("deviation"):
             deviation = runs[0].probes["deviation"]
-            right.plot(runs[0].probe_steps, deviation, color=f"C{i}", lw=1, label=name)
+            kw["markevery"] = max(1, len(deviation) // 10)
+            right.plot(runs[0].probe_steps, deviation, lw=1, label=name, **kw)
     left.set(
         xlabel="epoch",
         ylabel="test accuracy (%)",
@@ -154,7 +180,7 @@ def plot(fig: object, names: list[str], results: list, lr: optax.Schedule) -> No
     )
     right.set(
         xlabel="step",
-        ylabel="mean |z_i - average|",
+        ylabel="mean |z_i - average| (log scale)",
         yscale="log",
         title="distance to the average model (Fig. 2)",
     )

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 
+import _cli
 import _loop
 import _methods
+import _provenance
 import _report
 import _runtime
 import _tasks
@@ -43,20 +45,21 @@ def transformation(variant: str, opt: optax.GradientTransformation) -> optax.Gra
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    stamp = _provenance.start(argv)
+    parser = _cli.make_parser(__doc__)
     parser.add_argument("--sizes", default="1,2,4,8,16", help="numbers of devices N")
     parser.add_argument(
         "--total-batch", type=int, default=128, help="examples per step, all devices"
     )
     _runtime.add_schedule_args(parser, epochs=20)
     _runtime.add_common_args(parser)
-    args = parser.parse_args(argv)
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args = _runtime.parse_args(parser, argv, check_sizes)
+    sizes = sorted(set(_cli.comma_list(args.sizes, int, "--sizes")))
     args.devices = args.devices or max(sizes)
-    if any(args.total_batch % n for n in sizes):
-        raise SystemExit(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
 
     devices = _runtime.setup(args)
+    if max(sizes) > len(devices):
+        raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
     task = _tasks.cnn_task(args)
     main_process = _runtime.is_main_process()
 
@@ -95,8 +98,30 @@ def main(argv: list[str] | None = None) -> None:
             table,
             lambda fig: plot(fig, sizes, rows, histogram),
             extra={"histogram": histogram},
+            provenance=stamp.record(devices, seeds=[args.seed]),
+            title=f"TernGrad against float: {task.name}, a total batch of {args.total_batch} "
+            f"over N workers, {args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    """Every N of `--sizes` is at least 1, divides `--total-batch` and fits `--devices`."""
+    sizes = _cli.comma_list(args.sizes, int, "--sizes")
+    if min(sizes) < 1:
+        raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
+    if any(args.total_batch % n for n in sizes):
+        raise ValueError(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
+    if args.devices is not None and args.devices < max(sizes):
+        raise ValueError(f"--sizes up to {max(sizes)} needs --devices {max(sizes)} or more")
+
+
+# Each variant drawn as the registry's method it is.
+STYLES = {
+    "float": ("allreduce", 0),
+    "terngrad": ("terngrad", 0),
+    "terngrad-noclip": ("terngrad", 1),
+}
 
 
 def layer_histogram(task: _tasks.Task, devices: list, args: argparse.Namespace) -> dict:
@@ -152,7 +177,7 @@ def plot(fig: object, sizes: list[int], rows: list[tuple], histogram: dict) -> N
     for ax, opt_name in zip(axes[:2], OPTIMIZERS, strict=True):
         for variant in VARIANTS:
             acc = [100 * a for m, o, v, a in rows if o == opt_name and v == variant]
-            ax.plot(sizes, acc, "o-", label=variant)
+            ax.plot(sizes, acc, label=variant, **_report.style(*STYLES[variant]))
         ax.set(
             xscale="log",
             xlabel="workers N (fixed total batch)",
@@ -165,8 +190,8 @@ def plot(fig: object, sizes: list[int], rows: list[tuple], histogram: dict) -> N
         axes[2].plot(centers, histogram[key], label=key, lw=1)
     axes[2].set(
         yscale="log",
-        xlabel=f"gradient of {histogram['layer']}",
-        ylabel="count",
+        xlabel=f"gradient value, {histogram['layer']}",
+        ylabel="count (log scale)",
         title=f"one layer, step {histogram['step']}, {histogram['devices']} devices",
     )
     for ax in axes:

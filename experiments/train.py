@@ -8,20 +8,17 @@
         --process-id 0 --devices 4                               # one of two processes
 
 Each method gets the same model, data order, optimizer and hyperparameters. Writes
-train.json, train.png and train.md to --out. `compare.py` runs every method.
+train.json, train.md, train.png and train_bytes.png to --out. `compare.py` runs every
+method.
 """
 
 from __future__ import annotations
-
-import argparse
 
 import _compare
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    _compare.add_training_args(parser, methods="allreduce")
-    _compare.run_methods(parser.parse_args(argv), "train")
+    _compare.main(__doc__, argv, "train", methods="allreduce")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from gradcomm.adasum import (
     orthogonality,
 )
 from gradcomm.dense import AllReduceState, allreduce
+from gradcomm.diloco import DilocoState, diloco
 from gradcomm.dropping import GradientDroppingState, gradient_dropping
 from gradcomm.finite import apply_if_finite
 from gradcomm.gossip import DpsgdState, SgpState, consensus_distance, dpsgd, sgp
@@ -29,6 +30,8 @@ from gradcomm.lags import (
     lags_speedup_bound,
     slgs,
 )
+from gradcomm.low_precision import LowPrecisionState, low_precision
+from gradcomm.powersgd import PowerSgdState, powersgd
 from gradcomm.sync import (
     ParamsSync,
     PeriodicAverageState,
@@ -43,12 +46,15 @@ __version__ = "0.1.0"
 __all__ = [
     "AdasumState",
     "AllReduceState",
+    "DilocoState",
     "DpsgdState",
     "GradientDroppingState",
     "LagsPlan",
     "LagsState",
+    "LowPrecisionState",
     "ParamsSync",
     "PeriodicAverageState",
+    "PowerSgdState",
     "SgpState",
     "SlgsState",
     "TernGradState",
@@ -59,6 +65,7 @@ __all__ = [
     "apply_if_finite",
     "average_params",
     "consensus_distance",
+    "diloco",
     "dpsgd",
     "gradient_dropping",
     "lags",
@@ -67,10 +74,12 @@ __all__ = [
     "lags_profile",
     "lags_speedup_bound",
     "local_sgd",
+    "low_precision",
     "orthogonality",
     "parallel",
     "perfmodel",
     "periodic_average",
+    "powersgd",
     "sgp",
     "slgs",
     "sparse",

@@ -9,13 +9,16 @@ import optax
 from jax import lax
 
 from gradcomm import _axes, _checks
+from gradcomm.low_precision import low_precision
 
 
 class AllReduceState(NamedTuple):
     """State of `allreduce`: empty; an all-reduce is stateless."""
 
 
-def allreduce(axis_name: _axes.AxisName = "data") -> optax.GradientTransformationExtraArgs:
+def allreduce(
+    axis_name: _axes.AxisName = "data", dtype: Any = None
+) -> optax.GradientTransformationExtraArgs:
     """Replaces each update by its mean over the devices of `axis_name` (`lax.pmean`).
 
     This is synchronous data-parallel SGD's all-reduce, the baseline every other gradcomm
@@ -24,13 +27,18 @@ def allreduce(axis_name: _axes.AxisName = "data") -> optax.GradientTransformatio
 
     Args:
       axis_name: the mesh axis, or tuple of axes, to average over.
+      dtype: None sends the updates as they are; `jnp.bfloat16` or `jnp.float16` sends
+        them as 16-bit floats, half the bytes: that is `gradcomm.low_precision(axis_name,
+        dtype)`, which this returns.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` whose state is an `AllReduceState`.
+      An `optax.GradientTransformationExtraArgs` whose state is an `AllReduceState` (a
+      `LowPrecisionState` with a `dtype`).
 
     Raises:
-      ValueError: for a malformed axis name at construction, and at trace time for an axis
-        that is not bound or a leaf that is not floating point.
+      ValueError: for a malformed axis name or a `dtype` other than None, bfloat16 and
+        float16 at construction, and at trace time for an axis that is not bound or a
+        leaf that is not floating point.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -40,6 +48,8 @@ def allreduce(axis_name: _axes.AxisName = "data") -> optax.GradientTransformatio
       Array([2., 4.], dtype=float32)
     """
     _axes.check_axis_name(axis_name)
+    if dtype is not None:
+        return low_precision(axis_name, dtype)
 
     def init_fn(params: Any) -> AllReduceState:
         del params

@@ -23,6 +23,7 @@ import _methods  # noqa: E402
 import _netcluster as netcluster  # noqa: E402
 import _netreport  # noqa: E402
 import _networker  # noqa: E402
+import _provenance  # noqa: E402
 import bench_network  # noqa: E402
 
 SCRIPT = ROOT / "experiments" / "bench_network.py"
@@ -61,22 +62,34 @@ def test_refuses_without_root_as_a_process():
     assert len(lines) == 1 and lines[0].startswith("bench_network: needs root"), lines
 
 
-def test_bad_arguments_exit_with_a_message():
-    for args in (["--rates", "100mb"], ["--methods", "nope"], ["--nodes", "1"]):
-        result = subprocess.run(
-            [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env(),
-            timeout=120, check=False,
-        )  # fmt: skip
-        assert result.returncode == 2, args
-        assert "error:" in result.stderr
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rates", "100mb"], "bad rate '100mb'"),
+        (["--methods", "nope"], "unknown method(s): nope; choose from allreduce"),
+        (["--nodes", "1"], "every node count must be at least 2"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_network.parse_args(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
-def test_help_shows_defaults():
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, env=env(),
-        timeout=120, check=True,
-    )  # fmt: skip
-    assert "(default: 2,4)" in result.stdout and "unshaped,1gbit,100mbit" in result.stdout
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_network.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert "(default: 2,4)" in shown and "unshaped,1gbit,100mbit" in shown
+
+
+def test_plot_draws_every_method_in_its_style(tmp_path):
+    # The committed records, redrawn: one line per method and node count, registry styles.
+    records = json.loads((ROOT / "docs" / "bench" / "quick" / "network.json").read_text())
+    _netreport.plot(records, tmp_path / "network.png")
+    assert (tmp_path / "network.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_rates_and_model_sizes():
@@ -198,3 +211,8 @@ def test_tiny_run_writes_records(tmp_path):
     assert local["timing"] == "cycle-mean" and local["cycle"] == 20
     assert (tmp_path / "network.png").stat().st_size > 0
     assert "netem" in (tmp_path / "network.md").read_text()
+    for r in records:  # each record's cell: 2 hosts, one CPU device each
+        prov = r["provenance"]
+        assert set(_provenance.KEYS) <= set(prov) and prov["seeds"] == [0]
+        assert (prov["platform"], prov["device_count"], prov["process_count"]) == ("cpu", 2, 2)
+        assert prov["command"][0].endswith("bench_network.py") and prov["wall_seconds"] > 0

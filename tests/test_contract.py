@@ -71,6 +71,7 @@ class Case:
     per_device: bool = False  # params kept per device (`params_per_device=True`)
     synced: bool = True  # every device ends with the same update
     hierarchical: bool = False  # mesh {"node": n // 2, "local": 2}
+    rtol: float = 1e-5  # against the float64 reference's first update
 
 
 CASES = {
@@ -99,6 +100,11 @@ CASES = {
         per_device=True,  # each device adds its own local gradient
         synced=False,
     ),
+    # rank 1 and rate 1: the (2, 4) leaf is compressed (the defaults would send it dense)
+    "powersgd": Case(
+        lambda: gradcomm.powersgd("data", rank=1, min_compression_rate=1.0), before=True
+    ),
+    "low_precision": Case(lambda: gradcomm.low_precision("data"), before=True, rtol=2**-8),
 }
 NAMES = list(CASES)
 
@@ -283,8 +289,17 @@ def _reference(name: str, params: dict, grads: dict) -> dict | None:
     def same(row: np.ndarray) -> np.ndarray:
         return np.broadcast_to(row, (n, *row.shape))
 
-    if name == "allreduce":
+    if name in ("allreduce", "low_precision"):  # low_precision: within bfloat16's rounding
         return per_leaf(lambda _, x: same(x.mean(0)))
+    if name == "powersgd":  # e = 0: P = normalize(mean(G) Q0), update = P P^T mean(G)
+        out = {k: same(x.mean(0)) for k, x in g.items()}
+        if "w" in g:  # the one matrix leaf
+            [q] = CASES[name].make().init({k: v[0] for k, v in params.items()}).q
+            mean = g["w"].mean(0)
+            col = mean @ np.asarray(q, np.float64)
+            col = col / np.linalg.norm(col) if np.any(col) else col
+            out["w"] = same(col @ col.T @ mean)
+        return out
     if name == "adasum":
         return per_leaf(lambda _, x: same(reference.adasum(list(x))))
     if name == "adasum_hierarchical":  # the node means, then Adasum across nodes
@@ -421,7 +436,8 @@ def test_contexts_give_the_reference(name, context):
         assert any(np.any(u) for u in updates.values())
         return
     for key in grads:
-        np.testing.assert_allclose(updates[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        rtol = CASES[name].rtol
+        np.testing.assert_allclose(updates[key], want[key], rtol=rtol, atol=rtol / 10, err_msg=key)
 
 
 # Case: (context, devices); the other cases take turns over CONTEXTS on N devices.

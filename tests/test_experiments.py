@@ -1,8 +1,12 @@
 """The experiment scripts run end to end (tiny settings) and write what they promise."""
 
+import argparse
+import datetime
+import io
 import json
 import os
 import pathlib
+import runpy
 import socket
 import subprocess
 import sys
@@ -12,7 +16,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
+import _cli  # noqa: E402
 import _methods  # noqa: E402
+import _provenance  # noqa: E402
+import _report  # noqa: E402
 
 SCRIPTS = sorted(p.name for p in (ROOT / "experiments").glob("[!_]*.py"))
 # Each study at its smallest: the script runs end to end and writes JSON, PNG and Markdown.
@@ -66,13 +73,117 @@ def run(script, *args, timeout=300):
     )
 
 
+def main_in_process(script, *args, monkeypatch):
+    """Runs `script` as __main__ with `args` in this process; returns its exit code."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "experiments" / script), *args])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "experiments" / script), run_name="__main__")
+    return exit_info.value.code
+
+
+def check_provenance(record, *, devices, seeds, processes=1):
+    """A JSON's provenance: every key, and what the run used."""
+    assert set(_provenance.KEYS) <= set(record), set(_provenance.KEYS) - set(record)
+    assert record["gradcomm_version"] and record["git_commit"]
+    assert record["jax"] and record["python"] and isinstance(record["git_dirty"], bool | None)
+    assert record["platform"] == "cpu" and record["device_kind"]
+    assert record["device_count"] == devices and record["process_count"] == processes
+    assert record["seeds"] == seeds and record["command"][0].endswith(".py")
+    assert datetime.datetime.fromisoformat(record["started_utc"]).tzinfo is not None
+    assert record["wall_seconds"] > 0
+
+
+# --help runs in this process: parsing exits before any device is touched (a subprocess
+# per script cost a JAX import each; the script runs below run them as programs).
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help(script):
-    result = run(script, "--help")
-    assert result.returncode == 0, result.stderr
-    assert "--out" in result.stdout
+def test_help_shows_defaults(script, monkeypatch, capsys):
+    assert main_in_process(script, "--help", monkeypatch=monkeypatch) == 0
+    shown = capsys.readouterr().out
+    assert "--out" in shown and "(default:" in shown and "--quiet" in shown
+    assert "examples:\n" in shown and f"python experiments/{script}" in shown
     # One process per emulated host: the network benchmark simulates no devices.
-    assert ("--devices" in result.stdout) != (script == "bench_network.py")
+    assert ("--devices" in shown) == (script not in ("bench_network.py", "bench_decode.py"))
+
+
+# Each: a script's arguments and what its error message says.
+BAD_ARGUMENTS = [
+    (
+        "compare.py",
+        ["--method", "allreduce,nope"],
+        "unknown method(s): nope; choose from allreduce",
+    ),
+    ("train.py", ["--devices", "0"], "--devices: must be at least 1"),
+    ("compare.py", ["--dataset", "mnist"], "--dataset mnist needs --data-dir"),
+    ("compare.py", ["--dataset", "mnist", "--data-dir", "{tmp}"], "train-images-idx3-ubyte"),
+    ("train.py", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "no such directory"),
+    ("train.py", ["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+    ("adasum_large_batch.py", ["--sizes", "1,4", "--devices", "2"], "needs --devices 4"),
+    ("terngrad_workers.py", ["--sizes", "3"], "must divide by every N"),
+    ("lags_sparsity.py", ["--densities", "0.01,2"], "must be in (0, 1]"),
+    ("sgp_gossip.py", ["--seeds", "0,x"], "--seeds '0,x'"),
+    ("local_gradients.py", ["--models", "gru"], "unknown model(s): gru"),
+    ("bench_collectives.py", ["--methods", "nope"], "unknown method(s): nope"),
+    ("bench_scaling.py", ["--devices", "0"], "must be at least 1"),
+    ("bench_decode.py", ["--max-devices", "1"], "--max-devices must be at least 2"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "message"), BAD_ARGUMENTS)
+def test_bad_arguments_exit_with_a_message(script, args, message, tmp_path, monkeypatch, capsys):
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert main_in_process(script, *args, "--out", str(tmp_path), monkeypatch=monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_devices_that_cannot_be_simulated_exit_with_a_message():
+    import _runtime
+    import jax
+
+    count = len(jax.devices())  # the backend has started: the count is fixed
+    args = argparse.Namespace(devices=count + 1, coordinator_address=None)
+    with pytest.raises(SystemExit, match=f"--devices {count + 1}: "):
+        _runtime.setup(args)
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert _cli.progress(range(3)).disable
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert not _cli.progress(range(3)).disable
+    assert _cli.progress(range(3), quiet=True).disable
+
+
+def test_styles_are_one_per_method_and_stable():
+    styles = {m: _report.style(m) for m in _methods.METHODS}
+    compare = [(styles[m]["color"], styles[m]["marker"]) for m in _methods.COMPARE]
+    assert len({c for c, _ in compare}) == len({m for _, m in compare}) == len(compare)
+    assert len({s["marker"] for s in styles.values()}) == len(styles)
+    assert styles["adasum-permute"]["color"] == styles["adasum"]["color"]
+    assert (
+        styles["adasum-permute"]["linestyle"] != "-" and styles["allreduce"]["color"] == "#000000"
+    )
+    assert _report.style("lags", 1)["markerfacecolor"] == "white"
+    with pytest.raises(KeyError, match="not in the registry"):
+        _report.style("nope")
+
+
+def test_pareto_front_keeps_the_most_accuracy_for_the_bytes():
+    points = [(100.0, 0.9), (10.0, 0.8), (20.0, 0.7), (10.0, 0.8), (200.0, 0.95), (300, 0.95)]
+    assert _report.pareto_front(points) == [0, 1, 3, 4]
+
+
+def test_provenance_outside_a_checkout(tmp_path):
+    assert _provenance.git_state(tmp_path) == ("unknown", None)
+    assert _provenance.git_state(None) == ("unknown", None)
+    record = _provenance.start(["--x"]).record(None, seeds=[3])
+    assert set(record) == set(_provenance.KEYS) and record["seeds"] == [3]
+    assert record["command"][1:] == ["--x"] and record["device_count"] is None
 
 
 def test_one_registry_builds_and_models_every_method():
@@ -96,7 +207,7 @@ def test_one_registry_builds_and_models_every_method():
 
 
 def test_every_study_is_listed():
-    benches = {"bench_collectives.py", "bench_network.py", "bench_scaling.py"}
+    benches = {"bench_collectives.py", "bench_decode.py", "bench_network.py", "bench_scaling.py"}
     others = {"train.py", "compare.py", *benches}
     assert set(STUDIES) | others == set(SCRIPTS)
 
@@ -107,11 +218,13 @@ def test_study_runs_and_writes_json_png_and_markdown(tmp_path, script):
     args = STUDIES[script]
     if "--devices" not in args:
         args = [*args, "--devices", "2"]
-    result = run(script, *args, "--no-progress", "--out", str(tmp_path))
+    result = run(script, *args, "--quiet", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     stem = script.removesuffix(".py")
     study = json.loads((tmp_path / f"{stem}.json").read_text())
     assert study["runs"] and all(np.isfinite(r["losses"]).all() for r in study["runs"])
+    devices = int(args[args.index("--devices") + 1])
+    check_provenance(study["provenance"], devices=devices, seeds=[0])
     assert (tmp_path / f"{stem}.png").stat().st_size > 0
     assert "|" in (tmp_path / f"{stem}.md").read_text()
 
@@ -120,59 +233,55 @@ def test_study_runs_and_writes_json_png_and_markdown(tmp_path, script):
 def test_compare_on_one_device_says_nothing_crosses_a_wire(tmp_path):
     methods = ["--method", "allreduce,adasum,sgp"]
     result = run(
-        "compare.py", "--devices", "1", "--epochs", "1", "--no-progress", *methods,
-        "--out", str(tmp_path),
+        "compare.py", "--devices", "1", "--epochs", "1", "--batch-size", "64", "--quiet",
+        *methods, "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
-    assert [r["bytes_per_step"] for r in runs] == [0, 0, 0]
+    assert "nothing crosses a wire" in result.stdout
+    study = json.loads((tmp_path / "compare.json").read_text())
+    assert [r["bytes_per_step"] for r in study["runs"]] == [0, 0, 0]
+    check_provenance(study["provenance"], devices=1, seeds=[0])
     assert "One device: nothing crosses a wire" in (tmp_path / "compare.md").read_text()
+    assert (tmp_path / "compare_bytes.png").stat().st_size > 0
 
 
 @pytest.mark.slow
-def test_compare_runs_every_method_and_writes_json_png_and_markdown(tmp_path):
-    result = run(
-        "compare.py", "--devices", "2", "--epochs", "2", "--no-progress", "--out", str(tmp_path)
-    )
+def test_compare_runs_every_method_and_writes_json_pngs_and_markdown(tmp_path):
+    # No --quiet: the output is a pipe, so the progress bars stay off (no "\r" flood).
+    result = run("compare.py", "--devices", "2", "--epochs", "2", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
-    assert [r["method"] for r in runs] == [
-        "allreduce",
-        "adasum",
-        "terngrad",
-        "lags",
-        "slgs",
-        "dropping",
-        "dropping-local",
-        "local-sgd",
-        "sgp",
-        "osgp",
-        "dpsgd",
-    ]
+    assert "\r" not in result.stderr and "\r" not in result.stdout
+    study = json.loads((tmp_path / "compare.json").read_text())
+    runs = study["runs"]
+    assert [r["method"] for r in runs] == list(_methods.COMPARE)
     for r in runs:
         assert 0.5 < r["test_accuracy"] <= 1 and r["bytes_per_step"] > 0
         assert r["losses"][-1] < r["losses"][0]
-    assert (tmp_path / "compare.png").stat().st_size > 0
-    assert "| adasum |" in (tmp_path / "compare.md").read_text()
+    points = [(r["bytes_per_step"], r["test_accuracy"]) for r in runs]
+    front = [
+        runs[i]["method"] for i in sorted(_report.pareto_front(points), key=points.__getitem__)
+    ]
+    assert study["pareto_front"] == front and front
+    check_provenance(study["provenance"], devices=2, seeds=[0])
+    assert study["provenance"]["command"][1:] == ["--devices", "2", "--epochs", "2", "--out",
+                                                  str(tmp_path)]  # fmt: skip
+    for png in ("compare.png", "compare_bytes.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "compare.md").read_text()
+    assert "| adasum |" in table and "Pareto front" in table
 
 
 def test_train_runs_one_method(tmp_path):
-    result = run(
-        "train.py",
-        "--devices",
-        "2",
-        "--epochs",
-        "1",
-        "--method",
-        "lags",
-        "--no-progress",
-        "--out",
-        str(tmp_path),
-    )
+    result = run("train.py", "--devices", "2", "--epochs", "1", "--method", "lags", "--seed", "3",
+                 "--out", str(tmp_path))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["method"] for r in json.loads((tmp_path / "train.json").read_text())["runs"]] == [
-        "lags"
-    ]
+    assert "\r" not in result.stderr
+    study = json.loads((tmp_path / "train.json").read_text())
+    assert [r["method"] for r in study["runs"]] == ["lags"]
+    check_provenance(study["provenance"], devices=2, seeds=[3])
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "train.json", "train.md", "train.png", "train_bytes.png"
+    }  # fmt: skip
 
 
 @pytest.mark.slow
@@ -184,7 +293,7 @@ def test_compare_in_two_processes_matches_one(tmp_path):
     are compared to float32 rounding.
     """
     methods = "allreduce,adasum,lags,sgp,local-sgd"
-    common = ["--epochs", "1", "--method", methods, "--no-progress"]
+    common = ["--epochs", "1", "--method", methods, "--no-progress"]  # the older name of --quiet
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -218,7 +327,9 @@ def test_compare_in_two_processes_matches_one(tmp_path):
         log = proc.communicate(timeout=600)[0]
         assert proc.returncode == 0, log[-3000:]
     assert single.returncode == 0, single.stderr[-3000:]
-    two = json.loads((tmp_path / "two" / "compare.json").read_text())["runs"]
+    two_study = json.loads((tmp_path / "two" / "compare.json").read_text())
+    check_provenance(two_study["provenance"], devices=8, seeds=[0], processes=2)
+    two = two_study["runs"]
     one = json.loads((tmp_path / "one" / "compare.json").read_text())["runs"]
     for a, b in zip(two, one, strict=True):
         assert a["method"] == b["method"]
@@ -237,18 +348,35 @@ def test_bench_collectives_writes_ratios(tmp_path):
         "4KiB,64KiB",
         "--repeats",
         "2",
-        "--no-progress",
+        "--bandwidth-size",
+        "1MiB",
+        "--quiet",
         "--out",
         str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench_collectives.json").read_text())["rows"]
+    study = json.loads((tmp_path / "bench_collectives.json").read_text())
+    rows = study["rows"]
     assert [r["bytes"] for r in rows] == [4096, 65536]
     for r in rows:
         assert r["ratio_to_psum"]["psum"] == 1 and r["ratio_to_psum"]["adasum"] > 0
         assert r["wire_bytes"]["adasum"] <= 1.2 * r["wire_bytes"]["psum"]
+    check_provenance(study["provenance"], devices=4, seeds=[0])
+    assert (tmp_path / "bench_collectives.png").stat().st_size > 0
 
 
-def test_bad_arguments_fail_clearly(tmp_path):
-    result = run("train.py", "--method", "nope", "--out", str(tmp_path))
-    assert result.returncode != 0 and "unknown method" in result.stderr
+@pytest.mark.slow
+def test_bench_scaling_and_decode_write_json_png_and_markdown(tmp_path):
+    scaling = run("bench_scaling.py", "--devices", "2", "--sizes", "512,64", "--repeats", "1",
+                  "--out", str(tmp_path))  # fmt: skip
+    assert scaling.returncode == 0, scaling.stderr[-3000:]
+    decode = run("bench_decode.py", "--platform", "cpu", "--max-devices", "3", "--sizes", "512",
+                 "--densities", "0.1", "--repeats", "1", "--out", str(tmp_path))  # fmt: skip
+    assert decode.returncode == 0, decode.stderr[-3000:]
+    for stem, devices in (("bench_scaling", 2), ("bench_decode", 1)):
+        study = json.loads((tmp_path / f"{stem}.json").read_text())
+        check_provenance(study["provenance"], devices=devices, seeds=[0])
+        assert (tmp_path / f"{stem}.png").stat().st_size > 0
+        assert "|" in (tmp_path / f"{stem}.md").read_text()
+    rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
+    assert [r["n"] for r in rows] == [2, 3] and all(r["same_bits"] for r in rows)

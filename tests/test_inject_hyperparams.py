@@ -21,6 +21,9 @@ STRUCTURAL = [  # factory, the structural argument, its value
     (gradcomm.sgp, "overlap", 1),
     (gradcomm.sgp, "allreduce_steps", 2),
     (gradcomm.terngrad, "seed", 3),
+    (gradcomm.powersgd, "rank", 2),
+    (gradcomm.powersgd, "min_compression_rate", 2.0),
+    (gradcomm.powersgd, "seed", 3),
 ]
 
 

@@ -275,10 +275,8 @@ def test_the_loop_decode_has_the_bits_of_the_sort_decode(tmp_path):
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "experiments"))
     import bench_decode
 
-    bench_decode.main(
-        ["--max-devices", "4", "--sizes", "4096", "--densities", "0.05", "--repeats", "1"]
-        + ["--out", str(tmp_path)]
-    )
+    args = "--max-devices 4 --sizes 4096 --densities 0.05 --repeats 1".split()
+    bench_decode.main([*args, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     assert [r["n"] for r in rows] == [2, 3, 4]
     assert all(r["same_bits"] for r in rows)

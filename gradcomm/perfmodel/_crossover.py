@@ -34,8 +34,12 @@ def crossover_bandwidth(
     """The link bandwidth (Gbit/s) below which `method` beats allreduce.
 
     Args:
-      method, params, nodes, latency: as for `predict`.
-      lo, hi: the range of links searched, in Gbit/s.
+      method: as for `predict`.
+      params: as for `predict`.
+      nodes: as for `predict`.
+      latency: as for `predict`.
+      lo: the slowest link searched, in Gbit/s.
+      hi: the fastest link searched, in Gbit/s.
       **settings: `predict`'s keyword arguments (options, sync, backend, compute_s,
         cost_per_byte, itemsize); allreduce gets the same without the method's own
         (options, sync, cost_per_byte).
@@ -89,7 +93,11 @@ def crossover_table(
     hands the rows (experiments/_methods.py's `rows()`, or network.json records).
 
     Args:
-      params, nodes, compute_s, latency, backend: as for `predict`.
+      params: as for `predict`.
+      nodes: as for `predict`.
+      compute_s: as for `predict`.
+      latency: as for `predict`.
+      backend: as for `predict`.
       methods: a row each: a mapping with "method" (a gradcomm factory) and optionally
         "options", "sync" (as for `predict`) and "label" (the row's name).
       rates: link rates in Gbit/s, a column each.

@@ -73,7 +73,8 @@ class Calibration:
         on the reference group (fewest devices per process, then fewest nodes); in another
         group it scales with that group's allreduce compute (`settings`).
       unshaped_gbps: nodes -> an unshaped link's effective bandwidth (inf: no cost seen).
-      params, itemsize: the benchmark model's.
+      params: the benchmark model's parameter count.
+      itemsize: the benchmark model's bytes per parameter.
       rate_factors: (ring size, shaped rate in Mbit/s) -> allreduce's factor at that rate,
         which a record at that rate is predicted with (gloo's ring ran at 1.02x of the
         ideal at 100 Mbit and 0.82x at 1 Gbit); `backend` holds the median over rates.

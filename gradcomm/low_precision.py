@@ -1,0 +1,213 @@
+"""Low-precision all-reduce: the mean of the updates with 16-bit values on the wire.
+
+PyTorch DDP's `fp16_compress_hook` and `bf16_compress_hook`: each device's update is
+rounded to float16 or bfloat16 for the exchange, which halves the bytes of a float32
+all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move it:
+
+* **bits** (bfloat16 off GPU). XLA:CPU runs a bfloat16 all-reduce, reduce-scatter,
+  all-gather or all-to-all as a float32 one (its optimized HLO converts the operand to
+  f32 first), so a cast saves nothing there. The values travel as their bit patterns
+  (`uint16`), through collectives that add nothing: every leaf is rounded to bfloat16 and
+  laid end to end in one flat buffer, zero-padded to a multiple of N; an `all_to_all`
+  hands device j chunk j of every device's buffer (a reduce-scatter by hand); device j
+  adds them up in float32, in device order, divides by N and rounds the mean to
+  bfloat16; an `all_gather` of those chunks gives every device the whole mean, the same
+  bits everywhere. Each collective sends (N - 1) / N of the buffer: 2 (N - 1) / N * 2
+  bytes per element in all, half of the float32 ring all-reduce's 2 (N - 1) / N * 4.
+* **psum** (float16; bfloat16 on GPU). XLA:CPU keeps a float16 all-reduce in float16 (it
+  adds in float16, in device order, the same bits on every device), and NCCL reduces
+  float16 and bfloat16 natively, so there the 16-bit values go through one `lax.psum`.
+  Each leaf is divided by N first (in float32 at least, then rounded), as PyTorch's
+  hook divides before its all-reduce: the sum of the scaled values is the mean, and
+  cannot overflow where the mean fits. The GPU branch is chosen at trace time from the
+  mesh's platform; it is this same code with bfloat16, and is not tested here (no GPU).
+
+Overflow cannot raise under `jit`, so it is reported in the state: a step overflowed when
+the mean is not finite although every device's inputs were (float16's largest value is
+65504; bfloat16's range is float32's, so there only a sum or a rounding near 3.4e38
+overflows, where the float32 `lax.pmean` would overflow too). Inputs that were not finite
+on some device give a non-finite mean but no overflow. The flag travels with the values:
+in the bits scheme each device appends one word to the chunk it gathers (its inputs not
+finite: bit 0; its chunk of the mean not finite: bit 1), 2 (N - 1) bytes per step; in the
+psum one more 16-bit element counts the devices whose inputs were not finite, 4 (N - 1) /
+N bytes per step. No collective is added.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from gradcomm import _axes, _checks, _collectives, _flat, _packing
+
+DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+class LowPrecisionState(NamedTuple):
+    """State of `low_precision`: whether the mean overflowed, the same on every device.
+
+    Attributes:
+      overflow: bool scalar: the last update's mean was not finite although every
+        device's inputs were (the 16-bit exchange overflowed).
+      overflow_count: int32 scalar: how many updates so far overflowed.
+    """
+
+    overflow: jax.Array
+    overflow_count: jax.Array
+
+
+def check_dtype(dtype: Any) -> np.dtype:
+    """The wire dtype, validated at construction: bfloat16 or float16."""
+    try:
+        wire = None if isinstance(dtype, jax.Array | np.ndarray) else np.dtype(dtype)
+    except TypeError:
+        wire = None
+    if wire not in DTYPES:
+        raise ValueError(
+            f"dtype must be jnp.bfloat16 or jnp.float16 (the 16-bit formats on the wire), "
+            f"got {dtype!r}" + _checks.static_hint(dtype, "dtype")
+        )
+    return wire
+
+
+def low_precision(
+    axis_name: _axes.AxisName = "data", dtype: Any = jnp.bfloat16
+) -> optax.GradientTransformationExtraArgs:
+    """Replaces each update by its mean over the devices, sent as 16-bit floats.
+
+    The mean of the module docstring: bfloat16 values as bits through an `all_to_all` and
+    an `all_gather` (half the bytes of a float32 all-reduce on every backend), float16
+    values through a `lax.psum` in float16 after dividing by N. The result is in each
+    leaf's own dtype and is the same bits on every device; it is the mean rounded to
+    `dtype` (so on one device, the update rounded to `dtype`). Like `gradcomm.allreduce`,
+    place it before the optimizer to average gradients, or after it to average updates;
+    `gradcomm.allreduce(axis_name, dtype=...)` is this transformation.
+
+    Args:
+      axis_name: the mesh axis, or tuple of axes, to average over.
+      dtype: the format on the wire, `jnp.bfloat16` (8 significant bits, float32's range)
+        or `jnp.float16` (11 significant bits, largest value 65504).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`
+      (the overflow flag and count).
+
+    Raises:
+      ValueError: at construction for a malformed axis name or a `dtype` other than
+        bfloat16 or float16, and at trace time for an axis that is not bound or a leaf
+        that is not floating point.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gradcomm.low_precision import low_precision
+      >>> tx = low_precision("data")  # bfloat16: 8 significant bits
+      >>> grads = jnp.array([[1.0, 3.14159], [2.0, 3.14159]])  # one row per device
+      >>> jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(grads)
+      Array([[1.5     , 3.140625],
+             [1.5     , 3.140625]], dtype=float32)
+
+      float16 divides by N before the sum: 6e4 on two devices fits (float16's largest
+      value is 65504), a mean of 1.2e5 does not, and the state says so.
+
+      >>> tx = low_precision("data", jnp.float16)
+      >>> def step(g):
+      ...     mean, state = tx.update(g, tx.init(g))
+      ...     return mean[0], state.overflow
+      >>> jax.vmap(step, axis_name="data")(jnp.array([[6e4], [6e4]]))
+      (Array([60000., 60000.], dtype=float32), Array([False, False], dtype=bool))
+      >>> jax.vmap(step, axis_name="data")(jnp.array([[1.2e5], [1.2e5]]))
+      (Array([inf, inf], dtype=float32), Array([ True,  True], dtype=bool))
+
+    References:
+      PyTorch, `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`:
+      `fp16_compress_hook` and `bf16_compress_hook` (DDP communication hooks).
+    """
+    _axes.check_axis_name(axis_name)
+    wire = check_dtype(dtype)
+
+    def init_fn(params: Any) -> LowPrecisionState:
+        del params
+        return LowPrecisionState(overflow=jnp.array(False), overflow_count=jnp.zeros([], jnp.int32))
+
+    @jax.named_scope("gradcomm.low_precision")
+    def update_fn(
+        updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LowPrecisionState]:
+        del params, extra_args
+        _checks.check_updates(updates, axis_name, "low_precision")
+        n = _axes.axis_size(axis_name)
+        leaves, treedef = jax.tree.flatten(updates)
+        live = [i for i, leaf in enumerate(leaves) if jnp.size(leaf)]
+        if not live:
+            return updates, LowPrecisionState(jnp.array(False), state.overflow_count)
+        xs = [jnp.asarray(leaves[i]) for i in live]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+        native = wire == np.dtype(jnp.float16) or _axes._platform() == "gpu"
+        mean = _psum_mean if native else _bits_mean
+        means, overflow = mean(xs, finite, axis_name, n, wire)
+        out = list(leaves)
+        for i, x, m in zip(live, xs, means, strict=True):
+            out[i] = m.reshape(x.shape).astype(x.dtype)
+        count = jnp.where(
+            overflow, optax.safe_increment(state.overflow_count), state.overflow_count
+        )
+        return jax.tree.unflatten(treedef, out), LowPrecisionState(overflow, count)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _psum_mean(
+    xs: list[jax.Array], finite: jax.Array, axis_name: _axes.AxisName, n: int, wire: np.dtype
+) -> tuple[list[jax.Array], jax.Array]:
+    """The mean by one `psum` in `wire` of the leaves divided by n, and the overflow flag.
+
+    One more element counts the devices whose inputs were not finite; the leaves and it
+    travel in one (variadic) all-reduce.
+    """
+    scaled = [(x.astype(_axes.compute_dtype(x.dtype)) / n).astype(wire) for x in xs]
+    *sums, nonfinite_inputs = lax.psum((*scaled, jnp.where(finite, 0, 1).astype(wire)), axis_name)
+    mean_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(s)) for s in sums]))
+    return sums, ~mean_finite & (nonfinite_inputs == 0)
+
+
+_INPUTS_NONFINITE, _CHUNK_NONFINITE = 1, 2  # the flag word's bits
+
+
+def _bits_mean(
+    xs: list[jax.Array], finite: jax.Array, axis_name: _axes.AxisName, n: int, wire: np.dtype
+) -> tuple[list[jax.Array], jax.Array]:
+    """The mean of bfloat16 values moved as bits: `all_to_all`, float32 sums, `all_gather`.
+
+    Returns the flat means of the leaves (in `wire`) and the overflow flag.
+    """
+    sizes = [x.size for x in xs]
+    total = sum(sizes)
+    chunk = -(-total // n)
+    parts = [lax.bitcast_convert_type(jnp.ravel(x).astype(wire), jnp.uint16) for x in xs]
+    if n * chunk > total:
+        parts.append(jnp.zeros(n * chunk - total, jnp.uint16))
+    flat = _axes.vary(_packing.concatenate(parts), axis_name)
+    mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
+    received = lax.bitcast_convert_type(mine, wire).astype(jnp.float32)
+    acc = received[0]
+    for j in range(1, n):  # device order: every chunk is summed the same way
+        acc = acc + received[j]
+    mean = (acc / n).astype(wire)
+    flag = jnp.where(finite, 0, _INPUTS_NONFINITE) | jnp.where(
+        jnp.all(jnp.isfinite(mean)), 0, _CHUNK_NONFINITE
+    )
+    word = _packing.concatenate(
+        [lax.bitcast_convert_type(mean, jnp.uint16), flag.astype(jnp.uint16)[None]]
+    )
+    gathered = _collectives.all_gather_invariant(word, axis_name)  # (n, chunk + 1)
+    flags = gathered[:, chunk]
+    overflow = jnp.any(flags & _CHUNK_NONFINITE != 0) & jnp.all(flags & _INPUTS_NONFINITE == 0)
+    values = lax.bitcast_convert_type(gathered[:, :chunk].reshape(-1), wire)
+    means = [values[start:end] for start, end in itertools.pairwise(_flat.offsets(sizes))]
+    return means, overflow

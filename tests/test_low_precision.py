@@ -1,0 +1,308 @@
+"""gradcomm.low_precision: the mean over the devices with 16-bit values on the wire.
+
+Held against a float64 NumPy mean within the 16-bit formats' rounding, on 1 to 8
+simulated devices; bfloat16 also bit for bit against a NumPy model of its scheme (float32
+sums, in device order, of the bfloat16 values). The wire is read from compiled programs.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_of, per_device
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+from gradcomm import parallel, wire
+from gradcomm.low_precision import LowPrecisionState, low_precision
+
+BF16, F16 = np.dtype(jnp.bfloat16), np.dtype(np.float16)
+UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11}
+# Mixed leaves: a matrix, an odd length, a scalar, and 16-bit inputs.
+SHAPES = {"w": (4, 3), "odd": (7,), "s": (), "half": (5,), "brain": (3,)}
+DTYPES = {"half": np.float16, "brain": BF16}
+
+
+def _bf16(tree):
+    tx = low_precision("data", jnp.bfloat16)
+    return tx.update(tree, tx.init(tree))
+
+
+def _f16(tree):
+    tx = low_precision("data", jnp.float16)
+    return tx.update(tree, tx.init(tree))
+
+
+RUN = {BF16: _bf16, F16: _f16}
+
+
+def _both(tree):  # one compilation for both formats
+    return {BF16.name: _bf16(tree), F16.name: _f16(tree)}
+
+
+def _rows(n, seed):
+    rng = np.random.default_rng(seed)
+    return {
+        k: rng.standard_normal((n, *s)).astype(DTYPES.get(k, np.float32)) for k, s in SHAPES.items()
+    }
+
+
+def reference_mean(rows):
+    """The float64 mean over the devices (axis 0)."""
+    return np.asarray(rows).astype(np.float64).mean(0)
+
+
+def tolerance(rows, n, dtype):
+    """An elementwise bound on |mean - reference|, growing with n, for the wire `dtype`.
+
+    bfloat16: the inputs and the mean are rounded once each to 8 significant bits (unit
+    roundoff u), the float32 sum adds (n - 1) float32 roundings: 2 u (1 + n 2^-16) mean|x|.
+    float16: x_i / n rounded (u), then n - 1 float16 additions in turn, each rounding a
+    partial sum of at most sum|x_i| / n: (n + 1) u mean|x|, plus half a subnormal
+    spacing (2^-25) per rounding below 2^-14. Then one rounding to the leaf's dtype.
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    rows = np.asarray(rows)
+    mean_abs = np.abs(rows.astype(np.float64)).mean(0)
+    if dtype == BF16:
+        bound = 2 * u * (1 + n * 2.0**-16) * mean_abs
+    else:
+        bound = (n + 1) * u * mean_abs + n * 2.0**-24
+    leaf_u = float(jnp.finfo(rows.dtype).eps) / 2
+    return bound + leaf_u * (np.abs(reference_mean(rows)) + bound)
+
+
+def bf16_scheme(rows):
+    """NumPy model of the bits scheme: float32 sums in device order of the bfloat16
+    values, divided by n, rounded to bfloat16."""
+    values = np.asarray(rows).astype(BF16).astype(np.float32)
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return (total / np.float32(len(values))).astype(BF16)
+
+
+def _same_bits(x):
+    bits = np.asarray(x).view(f"uint{np.asarray(x).dtype.itemsize * 8}")
+    return bool((bits == bits[:1]).all())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_mean_matches_float64_reference(n):
+    rows = _rows(n, seed=n)
+    results = per_device(_both, n, rows)
+    for dtype in (BF16, F16):
+        out, state = results[dtype.name]
+        for key, x in rows.items():
+            got = out[key]
+            assert got.dtype == x.dtype and got.shape == x.shape
+            assert _same_bits(got), (dtype, key)
+            err = np.abs(got[0].astype(np.float64) - reference_mean(x))
+            assert (err <= tolerance(x, n, dtype)).all(), (dtype, key, err.max())
+            if dtype == BF16:  # exactly the scheme: float32 sums of the bfloat16 values
+                np.testing.assert_array_equal(got[0], bf16_scheme(x).astype(x.dtype))
+        assert not state.overflow.any() and not state.overflow_count.any()
+
+
+def _with_state(tx):
+    def update(tree):
+        out, state = tx.update(tree, tx.init(tree))
+        return out, state  # the state too: its flag travels with the values
+
+    return update
+
+
+def _wire(update, n, shapes):
+    mesh = mesh_of(n)
+    sharding = NamedSharding(mesh, P("data"))
+    tree = [jax.ShapeDtypeStruct((n, *s), np.float32, sharding=sharding) for s in shapes]
+
+    def body(t):
+        out, state = update([x[0] for x in t])
+        return [x[None] for x in out], state
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P()))
+    return wire.measure(jax.jit(mapped), tree)
+
+
+@pytest.mark.parametrize(
+    "shapes", [[(100, 60), (100,), (7,), ()], [(5, 3), (2,)]], ids=["divisible", "padded"]
+)
+def test_wire_is_half_of_allreduce(shapes):
+    n = 4
+    size = sum(int(np.prod(s)) for s in shapes)
+    dense = _wire(_with_state(gradcomm.allreduce("data")), n, shapes)
+    assert dense.total == pytest.approx(2 * (n - 1) / n * 4 * size)
+    half = dense.total / 2
+    bf16 = _wire(_with_state(low_precision("data", jnp.bfloat16)), n, shapes)
+    assert sorted(bf16.by_kind()) == ["all-gather", "all-to-all"]
+    assert len(bf16.collectives) == 2  # the whole tree in one of each
+    padded = -(-size // n) * n
+    # (n - 1) / n of the padded 16-bit buffer each way, plus one flag word per device.
+    assert bf16.total == pytest.approx(2 * (n - 1) / n * 2 * padded + 2 * (n - 1))
+    if size % n == 0:
+        assert bf16.total == half + 2 * (n - 1)
+    f16 = _wire(_with_state(low_precision("data", jnp.float16)), n, shapes)
+    assert sorted(f16.by_kind()) == ["all-reduce"] and len(f16.collectives) == 1
+    assert f16.total == pytest.approx(half + 2 * (n - 1) / n * 2)  # plus the flag element
+
+
+def _steps(dtype, *steps):
+    """Runs the updates `steps` (each one row per device) in turn under a named vmap."""
+    tx = low_precision("data", dtype)
+
+    def run(*gs):
+        state = tx.init(gs[0])
+        outs = []
+        for g in gs:
+            out, state = tx.update(g, state)
+            outs.append(out)
+        return outs, state
+
+    return jax.jit(jax.vmap(run, axis_name="data"))(*(jnp.asarray(s, jnp.float32) for s in steps))
+
+
+def test_float16_overflow_is_flagged():
+    # 6e4 on 2 devices: divided by 2 first, the sum 3e4 + 3e4 fits (float16 max 65504).
+    (out,), state = _steps(jnp.float16, [[6e4], [6e4]])
+    np.testing.assert_array_equal(out, [[6e4], [6e4]])
+    assert not state.overflow.any()
+    # 7e4 on 2 devices: the mean itself does not fit; 2e5 and -2e5: x / 2 does not fit
+    # (the mean, 0, would); then a step that fits clears the flag and keeps the count.
+    (big, cancel, small), state = _steps(
+        jnp.float16, [[7e4], [7e4]], [[2e5], [-2e5]], [[1.0], [3.0]]
+    )
+    assert np.isposinf(big).all() and np.isnan(cancel).all()
+    np.testing.assert_array_equal(small, [[2.0], [2.0]])
+    assert not state.overflow.any() and (state.overflow_count == 2).all()
+    (out,), state = _steps(jnp.float16, [[7e4], [7e4]])
+    assert state.overflow.all() and (state.overflow_count == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_non_finite_inputs_are_not_overflow(dtype, bad):
+    (out,), state = _steps(dtype, [[bad, 1.0], [1.0, 1.0]])
+    assert not np.isfinite(out[:, 0]).any()
+    np.testing.assert_array_equal(out[:, 1], [1.0, 1.0])
+    assert not state.overflow.any() and not state.overflow_count.any()
+
+
+def test_bfloat16_overflow_is_flagged():
+    big = 3e38  # bfloat16 has float32's range: the float32 sum 6e38 overflows, as in pmean
+    (out,), state = _steps(jnp.bfloat16, [[big, 1.0], [big, 1.0]])
+    assert np.isposinf(out[:, 0]).all() and state.overflow.all()
+    # Rounding a finite float32 above bfloat16's largest (3.39e38) to bfloat16 overflows.
+    (out,), state = _steps(jnp.bfloat16, [[3.4e38], [-1.0]])
+    assert np.isposinf(out).all() and state.overflow.all()
+    (out,), state = _steps(jnp.bfloat16, [[1e38], [1e38]])  # fits
+    assert np.isfinite(out).all() and not state.overflow.any()
+
+
+def test_zero_tiny_and_huge_inputs():
+    n = 8
+    zeros = {k: np.zeros_like(v) for k, v in _rows(n, 0).items()}
+    for out, state in per_device(_both, n, zeros).values():
+        for key in zeros:
+            np.testing.assert_array_equal(out[key], zeros[key])
+        assert not state.overflow.any()
+    # Tiny: float16 subnormals after the division by n (their spacing is the bound);
+    # bfloat16 far below float16's range. Huge: a mean near float16's largest value, and
+    # for bfloat16 a float32 sum just within float32's range (as in lax.pmean).
+    uniform = np.random.default_rng(1).uniform(0.5, 1.0, (n, 64))
+    for tiny, huge in ((1e-6, 6e4), (1e-35, 4e37)):
+        rows = {
+            "tiny": (uniform * tiny).astype(np.float32),
+            "huge": (uniform * huge).astype(np.float32),
+        }
+        results = per_device(_both, n, rows)
+        for dtype in (BF16,) if huge == 4e37 else (BF16, F16):
+            out, state = results[dtype.name]
+            for key, x in rows.items():
+                err = np.abs(out[key][0].astype(np.float64) - reference_mean(x))
+                assert (err <= tolerance(x, n, dtype)).all(), (dtype, key, err.max())
+                assert _same_bits(out[key])
+            assert not state.overflow.any()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_float64_inputs(dtype):
+    rows = np.random.default_rng(2).standard_normal((3, 9))
+    with jax.enable_x64(True):
+        (out,), state = jax.jit(jax.vmap(lambda g: RUN[dtype]([g]), axis_name="data"))(
+            jnp.asarray(rows, jnp.float64)
+        )
+        assert out.dtype == jnp.float64 and not state.overflow.any()
+        err = np.abs(np.asarray(out[0]) - reference_mean(rows))
+        assert (err <= tolerance(rows, 3, dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_shard_map_pmap_and_vmap_agree(dtype):
+    n = 3
+    rows = {"w": _rows(n, seed=7)["w"]}
+    expected, _ = per_device(RUN[dtype], n, rows)
+    for mapped in (
+        jax.pmap(RUN[dtype], axis_name="data"),
+        jax.jit(jax.vmap(RUN[dtype], axis_name="data")),
+    ):
+        out, _ = mapped(rows)
+        np.testing.assert_array_equal(np.asarray(out["w"]), expected["w"])
+
+
+def test_in_a_train_step_the_state_is_replicated():
+    n = 4
+    mesh = mesh_of(n)
+    rng = np.random.default_rng(3)
+    batch = {"x": rng.standard_normal((4 * n, 5)).astype(np.float32)}
+    batch["y"] = batch["x"] @ np.arange(5, dtype=np.float32)
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    params = {"w": np.zeros(5, np.float32)}
+    results = []
+    for first in (gradcomm.allreduce("data"), low_precision("data")):
+        tx = optax.chain(first, optax.sgd(0.05))
+        p = parallel.replicate(params, mesh)
+        state = parallel.init_state(tx, p, mesh)
+        step = parallel.train_step(loss, tx, mesh)
+        for _ in range(3):
+            p, state, metrics = step(p, state, batch)
+        results.append((p, state, metrics))
+    (dense, _, _), (low, state, _) = results
+    assert isinstance(state[0], LowPrecisionState)
+    assert state[0].overflow.shape == () and state[0].overflow.sharding.is_fully_replicated
+    np.testing.assert_allclose(low["w"], dense["w"], rtol=2e-2, atol=2e-2)
+
+
+def test_bad_arguments_raise():
+    for dtype in (jnp.float32, np.int16, "float8", 3, jnp.ones(())):
+        with pytest.raises(ValueError, match=r"bfloat16 or jnp\.float16"):
+            low_precision("data", dtype)
+    with pytest.raises(ValueError, match="axis_name"):
+        low_precision("")
+    tx = low_precision("data")
+    with pytest.raises(ValueError, match="floating"):
+        jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="not bound"):
+        jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="other")(jnp.ones((2, 3)))
+    assert low_precision("data", "float16") is not None  # names of the formats work too
+
+
+@pytest.mark.skipif(
+    "dtype" not in inspect.signature(gradcomm.allreduce).parameters,
+    reason="gradcomm.allreduce(dtype=...) is not wired to low_precision yet",
+)
+def test_allreduce_with_a_dtype_is_low_precision():
+    rows = _rows(4, seed=5)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        tx = gradcomm.allreduce("data", dtype=dtype)
+        out = jax.jit(jax.vmap(lambda g, tx=tx: tx.update(g, tx.init(g)), axis_name="data"))(rows)
+        expected = jax.jit(jax.vmap(RUN[np.dtype(dtype)], axis_name="data"))(rows)
+        jax.tree.map(np.testing.assert_array_equal, out, expected)
+    assert gradcomm.allreduce("data", dtype=None).init(rows) == gradcomm.AllReduceState()
