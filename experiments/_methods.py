@@ -13,9 +13,12 @@ Each method goes where its paper puts it: the all-reduce before the optimizer (i
 gradients), Adasum after it (it combines each device's update, paper A.6), TernGrad before
 it (it quantizes gradients), LAGS and SLGS after it (they sparsify learning-rate-scaled
 updates, LAGS eq. 5), gradient dropping before it (Algorithm 1 feeds the optimizer), and
-the gossip methods (SGP, 1-overlap SGP, D-PSGD) after it. Local SGD is the plain optimizer
-with `gradcomm.local_sgd`'s sync, and gradient dropping with local gradients averages the
-params with `gradcomm.periodic_average`.
+the gossip methods (SGP, 1-overlap SGP, D-PSGD) after it. PowerSGD goes before it (its
+Algorithm 2 compresses the gradient and feeds the optimizer), and so do the 16-bit
+all-reduces (PyTorch's fp16 and bf16 hooks average gradients). Local SGD is the plain
+optimizer with `gradcomm.local_sgd`'s sync, DiLoCo the plain (inner) optimizer with
+`gradcomm.diloco`'s outer step as its sync, and gradient dropping with local gradients
+averages the params with `gradcomm.periodic_average`.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class Spec:
     Attributes:
       label: the display name.
       method: the gradcomm factory, called as `gradcomm.<method>(axis, **options)`. Local
-        SGD's, `local_sgd`, makes a `ParamsSync`: the method is then the plain optimizer
-        and that sync.
+        SGD's, `local_sgd`, and DiLoCo's, `diloco`, make a `ParamsSync`: the method is
+        then the plain optimizer and that sync.
       options: the factory's keyword arguments.
       sync: the `ParamsSync` run after each step, as its factory's name and keyword
         arguments (`{"name": "periodic_average", "every": 50}`); None for none.
@@ -78,10 +81,11 @@ class Spec:
 
     @property
     def every(self) -> int | None:
-        """The steps between parameter averages (its sync's, or local SGD's); None: none."""
+        """The steps between parameter averages (its sync's, local SGD's or DiLoCo's); None:
+        none."""
         if self.sync is not None:
             return self.sync["every"]
-        return self.options["every"] if self.method == "local_sgd" else None
+        return self.options["every"] if self.method in ("local_sgd", "diloco") else None
 
 
 _AVERAGE = {"name": "periodic_average", "every": 50}
@@ -107,10 +111,16 @@ METHODS: dict[str, Spec] = {s.label: s for s in (
     Spec("sgp", "sgp", per_device=True),
     Spec("osgp", "sgp", {"overlap": 1}, per_device=True),
     Spec("dpsgd", "dpsgd", per_device=True),
+    Spec("powersgd", "powersgd", {"rank": 2}, first=True),
+    Spec("fp16", "low_precision", {"dtype": "float16"}, first=True),
+    # float16 as bits (all_to_all, float32 sums, all_gather): gloo adds float16 slowly.
+    Spec("fp16-bits", "low_precision", {"dtype": "float16", "exchange": "bits"}, first=True),
+    Spec("bf16", "low_precision", {"dtype": "bfloat16"}, first=True),
+    Spec("diloco", "diloco", {"every": 20}, per_device=True),
 )}
 # compare.py's methods: one of each kind, on the small CNN.
 COMPARE = ("allreduce", "adasum", "terngrad", "lags", "slgs", "dropping", "dropping-local",
-           "local-sgd", "sgp", "osgp", "dpsgd")
+           "local-sgd", "sgp", "osgp", "dpsgd", "powersgd", "fp16", "diloco")
 # fmt: on
 
 # The network benchmark's rows: every method.

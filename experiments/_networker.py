@@ -4,18 +4,24 @@
 the run (gloo collectives over the shaped links) and process 0 prints its result as one
 line, `RESULT {"results": ..., "devices": ...}` (the devices as `_provenance.devices_info`
 gives them). JAX is imported inside the workers only: the driver reads the methods' specs
-from here without starting it.
+from here without starting it, and the PyTorch peer worker (`_peerworker.py`) builds the
+same MLP from `mlp_init`, which needs NumPy alone.
+
+With a thread count (`--threads`), `compute_threads` sizes XLA:CPU's intra-op pool while
+the worker joins the run; see there for how, and why the XLA flag does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import _methods
@@ -48,18 +54,38 @@ def mlp_widths(params: float, d_in: int = 256, classes: int = 10) -> tuple[int, 
     return (d_in, max(h, 1), max(h, 1), classes)
 
 
-def mlp_task(widths: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any, Any]:
-    """(init params, loss_fn with accuracy, one fixed global batch) for a ReLU MLP."""
-    import jax
-    import jax.numpy as jnp
+def mlp_init(
+    widths: Sequence[int], batch: int, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(init params, one fixed global batch) of a ReLU MLP, as NumPy arrays.
+
+    He-normal weights `w{i}` of shape (in, out) (used as `x @ w + b`), zero biases `b{i}`,
+    then a batch of standard-normal inputs `x` and integer labels `y`, all drawn in that
+    order from one `np.random.default_rng(seed)`. NumPy alone: the JAX worker
+    (`mlp_task`) and the PyTorch peer worker (`_peerworker.py`) start from these arrays.
+    """
     import numpy as np
-    import optax
 
     rng = np.random.default_rng(seed)
     params = {}
     for i, (a, b) in enumerate(itertools.pairwise(widths)):
         params[f"w{i}"] = (rng.standard_normal((a, b)) * np.sqrt(2 / a)).astype(np.float32)
         params[f"b{i}"] = np.zeros(b, np.float32)
+    data = {
+        "x": rng.standard_normal((batch, widths[0])).astype(np.float32),
+        "y": rng.integers(0, widths[-1], batch).astype(np.int32),
+    }
+    return params, data
+
+
+def mlp_task(widths: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    """(init params, loss_fn with accuracy, one fixed global batch) for a ReLU MLP
+    (`mlp_init`'s arrays)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    params, data = mlp_init(widths, batch, seed)
     layers = len(widths) - 1
 
     def loss_fn(p: Any, data: Any) -> tuple[jax.Array, dict]:
@@ -70,11 +96,36 @@ def mlp_task(widths: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any
         loss = optax.softmax_cross_entropy_with_integer_labels(x, data["y"]).mean()
         return loss, {"accuracy": jnp.mean(jnp.argmax(x, -1) == data["y"])}
 
-    data = {
-        "x": rng.standard_normal((batch, widths[0])).astype(np.float32),
-        "y": rng.integers(0, widths[-1], batch).astype(np.int32),
-    }
     return params, loss_fn, data
+
+
+@contextlib.contextmanager
+def compute_threads(threads: int | None) -> Iterator[None]:
+    """Within: this process may run on `threads` CPUs only; after: every thread as before.
+
+    Start JAX's CPU backend within it to give XLA:CPU `threads` compute threads (None:
+    leaves everything as it is). Checked with jax and jaxlib 0.10.2: the CPU client sizes
+    its intra-op (Eigen) thread pool, which runs the kernels, once, when it is made, from
+    the CPUs the process may run on (tsl's `MaxParallelism`, the `sched_getaffinity`
+    mask), and JAX exposes no option for that size. The XLA flag
+    `--xla_cpu_multi_thread_eigen=false` does not restrict it there: on two cores both
+    pool threads still shared the kernels. With one CPU the pool has one thread, which
+    stays nearly idle, and the kernels run on the thread that executes the program.
+    Afterwards every thread's mask is restored, so the pool keeps its size while the
+    other threads (gloo's, the runtime's) run anywhere, as PyTorch's do under
+    `torch.set_num_threads` (the peer rows, `_peerworker.py`).
+    """
+    if threads is None:
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(allowed)[:threads])
+    try:
+        yield
+    finally:
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that has since ended
+                os.sched_setaffinity(int(task), allowed)
 
 
 def pairwise_mesh_axes(name: str, nodes: int) -> dict[str, int]:
@@ -85,7 +136,11 @@ def pairwise_mesh_axes(name: str, nodes: int) -> dict[str, int]:
 
 
 def _join(config: dict[str, Any], devices: int) -> list[Any]:
-    """Joins the run as this host's process with `devices` CPU devices; all processes'."""
+    """Joins the run as this host's process with `devices` CPU devices; all processes'.
+
+    The backend starts here, with `config["threads"]` compute threads (`compute_threads`;
+    absent or None: XLA's default, a thread per CPU).
+    """
     import _runtime
 
     args = argparse.Namespace(
@@ -94,7 +149,8 @@ def _join(config: dict[str, Any], devices: int) -> list[Any]:
         num_processes=config["nodes"],
         process_id=config["process"],
     )
-    return _runtime.setup(args)
+    with compute_threads(config.get("threads")):
+        return _runtime.setup(args)
 
 
 def worker(config: dict[str, Any]) -> None:

@@ -21,13 +21,15 @@ if TYPE_CHECKING:
     from _loop import RunResult
 
 # Paul Tol's "muted" scheme (colour-blind safe), with black for the all-reduce baseline and
-# grey: one colour per method of compare.py, in its order.
+# grey, then orange, blue and pear from his "vibrant" and "light" schemes: one colour per
+# method of compare.py, in its order.
 PALETTE = (
     "#000000", "#CC6677", "#332288", "#DDCC77", "#117733", "#88CCEE", "#882255", "#44AA99",
-    "#999933", "#AA4499", "#777777",
+    "#999933", "#AA4499", "#777777", "#EE7733", "#0077BB", "#BBCC33",
 )  # fmt: skip
 # One marker per method of the registry, in its order.
-MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "h", "p", "<", ">", "d", "H", "8")
+MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "h", "p", "<", ">", "d", "H", "8",
+           "x", "+", "1", "2", "3")  # fmt: skip
 LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)))
 
 

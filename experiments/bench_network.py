@@ -3,6 +3,7 @@
 
     sudo python experiments/bench_network.py                   # the default grid, ~30 min
     python experiments/bench_network.py --nodes 2,4 --rates 100mbit,unshaped --steps 10
+    python experiments/bench_network.py --nodes 2 --methods allreduce --peer --threads 1
 
 For each node count N and link rate, the script builds a cluster of N hosts (network
 namespaces joined by a bridge, each link shaped with tc's token bucket filter; see
@@ -33,6 +34,27 @@ again. On the Firecracker VMs this was written on those page faults cost more th
 kernels: they doubled the step of the methods with large temporaries (LAGS, Adasum,
 dropping) and left allreduce's nearly alone. `--allocator default` measures glibc's
 defaults; each record says which ran.
+
+Peer rows (`--peer`, off by default; needs PyTorch, `pip install -e ".[peer]"`): after
+the JAX workers of a cell, on the same cluster and links, one PyTorch process per host
+(`_peerworker.py`) trains the same MLP (same widths, initial params and fixed batch,
+`_networker.mlp_init`) with Adam under DistributedDataParallel on gloo: without a
+communication hook (`torch-allreduce`, the peers' baseline), with `fp16_compress_hook`
+(`torch-fp16`) and with `powerSGD_hook` at rank 2 (`torch-powersgd`), the hooks of
+PyTorch's "DDP Communication Hooks" documentation. They are timed as the JAX rows are
+(warm-up untimed, the variants interleaved in a rotated order, a run's median step, the
+median over runs); each ratio is against torch-allreduce of the same run. Their records
+say `"framework": "torch"` (the JAX rows, "jax"), and their provenance gives torch's
+version. They measure what a PyTorch user would get from DDP's stock hooks on the same
+links, next to gradcomm's methods; the absolute seconds of the two frameworks' allreduce
+rows compare their steps, compute included.
+
+Threads (`--threads K`): every worker process, JAX's and torch's, computes with K threads:
+XLA:CPU's intra-op pool is sized to K by the CPU affinity mask while the backend starts
+(`_networker.compute_threads`; the mask is restored afterwards), and torch takes
+`set_num_threads(K)` and `set_num_interop_threads(K)`. By default nothing is pinned: XLA
+uses a thread per CPU and torch its own default. On a machine with fewer cores than
+processes times threads, the processes still share the cores. Each record says which ran.
 
 netem is not available on the machines this was written on: no delay or loss is added,
 so links differ only in bandwidth. The script needs root, and removes every namespace it
@@ -75,6 +97,13 @@ RETAIN_TUNABLES = (
 )
 
 
+PEER_INSTALL = (
+    'pip install -e ".[peer]" (on a CPU-only machine, first `pip install torch '
+    "--index-url https://download.pytorch.org/whl/cpu`: the CPU wheel, without the CUDA "
+    "downloads)"
+)
+
+
 def worker_env(allocator: str) -> dict[str, str]:
     """The environment of a worker process: CPU JAX, and the allocator asked for."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -83,15 +112,56 @@ def worker_env(allocator: str) -> dict[str, str]:
     return env
 
 
+def peer_env(allocator: str, master: str, port: int) -> dict[str, str]:
+    """The environment of a PyTorch peer worker: the JAX workers' (allocator included),
+    gloo bound to the host's interface, and host 0 as the rendezvous."""
+    return {
+        **worker_env(allocator),
+        "GLOO_SOCKET_IFNAME": "veth0",
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+    }
+
+
+def torch_problem() -> str | None:
+    """Why the peer rows cannot run here (one line), or None when torch imports."""
+    try:
+        import torch  # noqa: F401
+    except (ImportError, OSError) as e:
+        return f"--peer needs PyTorch, which does not import here ({e}); install it with " + (
+            PEER_INSTALL
+        )
+    return None
+
+
+def _results(procs: list[subprocess.Popen], timeout: float, what: str) -> dict[str, Any]:
+    """Waits for the workers; the payload of process 0's `RESULT` line (RuntimeError, with
+    `what`, if any failed). Kills the ones still running on the way out."""
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [i for i, p in enumerate(procs) if p.returncode]
+    if failed:
+        raise RuntimeError(f"{what}: worker(s) {failed} failed")
+    result = next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))
+    return json.loads(result[len("RESULT ") :])
+
+
 def run_cell(
-    nodes: int, rate: str, args: argparse.Namespace, **extra: Any
-) -> tuple[dict[str, Any], list[float], dict[str, Any]]:
-    """One cluster, one worker process per host: the worker's result, the links, and the
-    devices the workers ran on (`_provenance.devices_info`).
+    nodes: int, rate: str, args: argparse.Namespace, *, peer: bool = False, **extra: Any
+) -> tuple[dict[str, Any], list[float], dict[str, Any], dict[str, Any] | None]:
+    """One cluster, one worker process per host: the worker's result, the links, the
+    devices the workers ran on (`_provenance.devices_info`), and with `peer` the PyTorch
+    peer workers' payload (`_peerworker.py`, run on the same cluster afterwards; else None).
 
     `extra` goes into the workers' config (`mode="patterns"` times raw collectives).
     """
     shaped = rate != netcluster.UNSHAPED
+    runs = args.shaped_runs if shaped else args.runs
     with netcluster.Cluster(nodes, rate) as cluster:
         links = cluster.measure_links()
         if links:
@@ -107,9 +177,10 @@ def run_cell(
                 "rate": rate,
                 "params": args.params,
                 "steps": args.steps,
-                "runs": args.shaped_runs if shaped else args.runs,
+                "runs": runs,
                 "pattern_mib": args.pattern_mib,
                 "pattern_repeats": args.pattern_repeats,
+                "threads": args.threads,
                 **extra,
             }
             argv = [sys.executable, __file__, "--worker", json.dumps(config)]
@@ -120,19 +191,25 @@ def run_cell(
                     stderr=None if (i == 0 and not args.quiet) else subprocess.DEVNULL, text=True,
                 )
             )  # fmt: skip
-        try:
-            outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        failed = [i for i, p in enumerate(procs) if p.returncode]
-        if failed:
-            raise RuntimeError(f"worker(s) {failed} failed at N={nodes}, {rate}")
-        result = next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))
-        payload = json.loads(result[len("RESULT ") :])
-        return payload["results"], links, payload["devices"]
+        payload = _results(procs, args.timeout, f"N={nodes}, {rate}")
+        peers = None
+        if peer:  # the same links; a port of its own, apart from the JAX coordinator's
+            procs = []
+            env = peer_env(args.allocator, cluster.addresses[0], port + 1)
+            for i in range(nodes):
+                config = {"nodes": nodes, "process": i, "rate": rate, "params": args.params,
+                          "steps": args.steps, "runs": runs, "threads": args.threads,
+                          "timeout": args.timeout}  # fmt: skip
+                argv = [sys.executable, str(HERE / "_peerworker.py"), json.dumps(config)]
+                procs.append(
+                    cluster.popen(
+                        i, argv, env=env, stdout=subprocess.PIPE,
+                        stderr=None if (i == 0 and not args.quiet) else subprocess.DEVNULL,
+                        text=True,
+                    )
+                )  # fmt: skip
+            peers = _results(procs, args.timeout, f"PyTorch peers at N={nodes}, {rate}")
+        return payload["results"], links, payload["devices"], peers
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -155,6 +232,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("retain", "default"),
         default="retain",
         help="workers' glibc malloc: keep freed memory for reuse, or glibc's defaults",
+    )
+    parser.add_argument(
+        "--peer",
+        action="store_true",
+        help="also time PyTorch DDP on the same cluster (off by default): no hook, "
+        'fp16_compress_hook, powerSGD_hook; needs torch: pip install -e ".[peer]"',
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads per worker process, JAX (XLA:CPU's intra-op pool) and torch "
+        "alike (default: not pinned, each framework's own default)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     parser.add_argument("--out", default="runs/bench_network", help="output directory")
@@ -184,13 +274,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.labels = ["allreduce", *[m for m in labels if m != "allreduce"]]
     if args.steps < 1 or args.runs < 1 or args.shaped_runs < 1:
         parser.error("--steps, --runs and --shaped-runs must be at least 1")
+    cpus = len(os.sched_getaffinity(0))
+    if args.threads is not None and not 1 <= args.threads <= cpus:
+        parser.error(f"--threads must be between 1 and the {cpus} CPUs this process may use")
+    if args.peer and args.patterns:
+        parser.error("--peer times training steps: it does not go with --patterns")
+    if args.peer:
+        problem = torch_problem()
+        if problem:
+            parser.exit(2, f"bench_network: {problem}\n")
     return args
 
 
 def stamped(records: list[dict[str, Any]], stamp: _provenance.Stamp) -> list[dict[str, Any]]:
-    """The records, each with its provenance: its cell's devices, the run's wall time now."""
+    """The records, each with its provenance: its cell's devices, the run's wall time now;
+    a peer row's also torch's version."""
     for r in records:
+        torch = r["provenance"].get("torch")
         r["provenance"] = stamp.record(r["provenance"], seeds=SEEDS)
+        if torch:
+            r["provenance"]["torch"] = torch
     return records
 
 
@@ -201,7 +304,7 @@ def measure_patterns(
     records = []
     for nodes in args.node_list:
         for rate in args.rate_list:
-            results, links, devices = run_cell(nodes, rate, args, mode="patterns")
+            results, links, devices, _ = run_cell(nodes, rate, args, mode="patterns")
             link = sum(links) / len(links) if links else None
             for name, seconds in results.items():
                 records.append(
@@ -242,14 +345,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 if is_local and len(group) == 1:
                     continue
                 todo = [m for m in group if (nodes, m) not in bytes_known]
-                results, links, devices = run_cell(
+                results, links, devices, peers = run_cell(
                     nodes, rate, args, labels=group, local=is_local,
-                    measure_bytes=bool(todo), cache=cache,
+                    measure_bytes=bool(todo), cache=cache, peer=args.peer and not is_local,
                 )  # fmt: skip
                 cell = _netreport.records_of(
-                    results, nodes, rate, links, is_local, bytes_known, args.allocator
-                )
+                    results, nodes, rate, links, is_local, bytes_known, args.allocator,
+                    args.threads,
+                )  # fmt: skip
                 records += [{**r, "provenance": devices} for r in cell]
+                if peers is not None:
+                    cell = _netreport.peer_records_of(
+                        peers, nodes, rate, links, args.allocator, args.threads
+                    )
+                    device = {**peers["devices"], "torch": peers["torch"]}
+                    records += [{**r, "provenance": device} for r in cell]
                 (out / "network.json").write_text(json.dumps(stamped(records, stamp), indent=1))
     shutil.rmtree(cache, ignore_errors=True)
     for r in records:  # bytes were measured in the first cell of each node count

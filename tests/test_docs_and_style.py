@@ -60,3 +60,25 @@ def test_readme_python_examples_run():
     assert blocks
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_every_committed_result_says_what_made_it():
+    """Each JSON under docs/ carries a provenance record with every key (per record, for
+    a list of records); results made before records existed say so in `backfilled`."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import _provenance
+
+    files = sorted((ROOT / "docs").rglob("*.json"))
+    assert files
+    for path in files:
+        data = json.loads(path.read_text())
+        records = data if isinstance(data, list) else [data]
+        for record in records:
+            prov = record.get("provenance")
+            assert isinstance(prov, dict), f"{path.relative_to(ROOT)}: no provenance"
+            missing = set(_provenance.KEYS) - set(prov)
+            assert not missing, f"{path.relative_to(ROOT)}: provenance lacks {missing}"
+            made_here = prov["git_commit"] != "unknown" or "backfilled" in prov
+            assert made_here, f"{path.relative_to(ROOT)}: neither a commit nor a note"

@@ -208,7 +208,8 @@ def test_one_registry_builds_and_models_every_method():
 
 def test_every_study_is_listed():
     benches = {"bench_collectives.py", "bench_decode.py", "bench_network.py", "bench_scaling.py"}
-    others = {"train.py", "compare.py", *benches}
+    own = {"powersgd_rank.py"}  # its smoke test and more: tests/test_powersgd_rank.py
+    others = {"train.py", "compare.py", *benches, *own}
     assert set(STUDIES) | others == set(SCRIPTS)
 
 

@@ -5,8 +5,6 @@ simulated devices; bfloat16 also bit for bit against a NumPy model of its scheme
 sums, in device order, of the bfloat16 values). The wire is read from compiled programs.
 """
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,13 +75,8 @@ def tolerance(rows, n, dtype):
 
 
 def bf16_scheme(rows):
-    """NumPy model of the bits scheme: float32 sums in device order of the bfloat16
-    values, divided by n, rounded to bfloat16."""
-    values = np.asarray(rows).astype(BF16).astype(np.float32)
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return (total / np.float32(len(values))).astype(BF16)
+    """NumPy model of the bits scheme for bfloat16 (`bits_scheme`)."""
+    return bits_scheme(rows, BF16)
 
 
 def _same_bits(x):
@@ -106,6 +99,54 @@ def test_mean_matches_float64_reference(n):
             if dtype == BF16:  # exactly the scheme: float32 sums of the bfloat16 values
                 np.testing.assert_array_equal(got[0], bf16_scheme(x).astype(x.dtype))
         assert not state.overflow.any() and not state.overflow_count.any()
+
+
+def bits_scheme(rows, wire):
+    """NumPy model of the bits scheme: float32 sums in device order of the values rounded
+    to `wire`, divided by n, rounded to `wire`."""
+    values = np.asarray(rows).astype(wire).astype(np.float32)
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return (total / np.float32(len(values))).astype(wire)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_float16_as_bits_matches_float64_reference(n):
+    """`exchange="bits"` moves float16 as bfloat16 does by default: exactly the scheme,
+    within 2 u (1 + n 2^-16) mean|x| (plus float16's subnormal spacing) of the mean."""
+    rows = _rows(n, seed=10 + n)
+    tx = low_precision("data", jnp.float16, exchange="bits")
+    out, state = per_device(lambda t: tx.update(t, tx.init(t)), n, rows)
+    u = UNIT_ROUNDOFF[F16]
+    for key, x in rows.items():
+        got = out[key]
+        assert got.dtype == x.dtype and _same_bits(got), key
+        np.testing.assert_array_equal(got[0], bits_scheme(x, np.float16).astype(x.dtype))
+        mean_abs = np.abs(np.asarray(x, np.float64)).mean(0)
+        bound = 2 * u * (1 + n * 2.0**-16) * mean_abs + 2.0**-24
+        bound = bound + float(jnp.finfo(x.dtype).eps) / 2 * (np.abs(reference_mean(x)) + bound)
+        err = np.abs(got[0].astype(np.float64) - reference_mean(x))
+        assert (err <= bound).all(), (key, err.max())
+    assert not state.overflow.any()
+    # A value past float16's range overflows on the wire: flagged, not silent.
+    big = {"w": np.full((n, 2), 7e4, np.float32)}
+    out, state = per_device(lambda t: tx.update(t, tx.init(t)), n, big)
+    assert np.isinf(out["w"]).all() and state.overflow.all()
+
+
+def test_exchange_picks_the_collectives():
+    n, shapes = 4, [(100, 60), (100,)]
+    for dtype, exchange, kinds in [
+        (jnp.float16, "bits", ["all-gather", "all-to-all"]),
+        (jnp.float16, "auto", ["all-reduce"]),
+        (jnp.bfloat16, "auto", ["all-gather", "all-to-all"]),
+        (jnp.bfloat16, "psum", ["all-reduce"]),
+    ]:
+        report = _wire(_with_state(low_precision("data", dtype, exchange)), n, shapes)
+        assert sorted(report.by_kind()) == kinds, (dtype, exchange)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        low_precision("data", jnp.float16, exchange="ring")
 
 
 def _with_state(tx):
@@ -294,10 +335,6 @@ def test_bad_arguments_raise():
     assert low_precision("data", "float16") is not None  # names of the formats work too
 
 
-@pytest.mark.skipif(
-    "dtype" not in inspect.signature(gradcomm.allreduce).parameters,
-    reason="gradcomm.allreduce(dtype=...) is not wired to low_precision yet",
-)
 def test_allreduce_with_a_dtype_is_low_precision():
     rows = _rows(4, seed=5)
     for dtype in (jnp.bfloat16, jnp.float16):

@@ -200,8 +200,11 @@ def test_local_sgd_and_amortizing():
     every = pm.predict("local_sgd", P, 4, 1.0, options={"every": 20})
     assert every.wire_bytes == pytest.approx(pm.predict("allreduce", P, 4, 1.0).wire_bytes / 20)
     assert pm.predict("local_sgd", P, 4, 1.0, amortize=False).comm_s == 0.0
+    diloco = pm.predict("diloco", P, 4, 1.0, options={"every": 20})  # DiLoCo's outer step
+    assert diloco.wire_bytes == pytest.approx(every.wire_bytes)
+    assert pm.predict("diloco", P, 4, 1.0).wire_bytes == pytest.approx(every.wire_bytes / 25)
     # A sync beside a method is the same all-reduce every k steps, whichever factory.
-    for name in ("periodic_average", "local_sgd"):
+    for name in ("periodic_average", "local_sgd", "diloco"):
         sync = {"name": name, "every": 20}
         beside = pm.predict("lags", P, 4, 1.0, sync=sync).wire_bytes
         assert beside == pytest.approx(pm.predict("lags", P, 4, 1.0).wire_bytes + every.wire_bytes)
@@ -217,6 +220,55 @@ def test_local_sgd_and_amortizing():
         pm.pattern("psum", 10, 2)
     with pytest.raises(ValueError, match="unknown topology"):
         pm.pattern("sgp", 10, 2, options={"topology": "torus"})
+
+
+SHAPES = [(64, 48), (48,), (48, 12), (12,), (3, 3, 4, 8)]  # 3996 parameters, N = 4 divides
+
+
+@pytest.mark.parametrize(
+    "method, options, extra",
+    [
+        ("powersgd", {"rank": 2}, 0.0),
+        ("powersgd", {"rank": 1, "min_compression_rate": 1.0}, 0.0),
+        ("low_precision", {"dtype": "bfloat16"}, 2 * 3),  # + its flag word from each peer
+        ("low_precision", {"dtype": "float16", "exchange": "bits"}, 2 * 3),
+        # The state is dropped here, and with it the psum's element that counts overflows.
+        ("low_precision", {"dtype": "float16"}, 0.0),
+        ("allreduce", {"dtype": "float16"}, 0.0),
+    ],
+)
+def test_new_methods_bytes_are_the_compiled_programs(method, options, extra):
+    """The model's bytes for PowerSGD and the 16-bit all-reduces are what `gradcomm.wire`
+    reads from the compiled step (N = 4, the leaves' shapes given to the model)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as Spec
+
+    n = 4
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    tx = getattr(gradcomm, method)("data", **options)
+
+    def body(tree):
+        out, _ = tx.update([x[0] for x in tree], tx.init([x[0] for x in tree]))
+        return [x[None] for x in out]
+
+    spec = Spec("data")
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    sharding = NamedSharding(mesh, spec)
+    tree = [jax.ShapeDtypeStruct((n, *s), np.float32, sharding=sharding) for s in SHAPES]
+    measured = gradcomm.wire.measure(step, tree).total
+    params = sum(math.prod(s) for s in SHAPES)
+    model = pm.pattern(method, params, n, options={**options, "shapes": SHAPES})
+    assert measured == pytest.approx(sum(c.sent() for c in model) + extra)
+    if method == "powersgd":  # P with the dense leaves, then Q: two all-reduces
+        assert [c.kind for c in model] == ["allreduce", "allreduce"]
+    # The bits of bfloat16 go as an all-to-all and an all-gather on gloo, psum on NCCL.
+    if options.get("dtype") == "bfloat16" or options.get("exchange") == "bits":
+        gloo = pm.predict(method, params, n, 1.0, options=options, backend=pm.GLOO)
+        nccl = pm.predict(method, params, n, 1.0, options=options, backend=pm.NCCL)
+        assert gloo.wire_bytes == pytest.approx(nccl.wire_bytes)
+        assert [c.kind for c in model] == ["alltoall", "allgather"]
 
 
 def test_overlap():
@@ -293,7 +345,7 @@ def simulate(truth, nodes=(2, 4), rates=(None, 100.0, 1000.0), methods=ROWS):
                 steps[row["label"]] = pm.predict(m, P, n, gbps, options=o, sync=sync, **kw).step_s
             for row in methods:
                 label, m = row["label"], row["method"]
-                periodic = m in ("local_sgd", "sgp", "dpsgd") or row["sync"] is not None
+                periodic = m in ("local_sgd", "diloco", "sgp", "dpsgd") or row["sync"] is not None
                 out.append(
                     {
                         **row,
@@ -490,7 +542,8 @@ def test_model_doc_quotes_the_papers_table():
 
 def test_cli(tmp_path, capsys):
     path = tmp_path / "network.json"
-    path.write_text(json.dumps(simulate(TRUTH)))
+    peer = {"framework": "torch", "label": "torch-fp16", "hook": "fp16_compress_hook"}
+    path.write_text(json.dumps([*simulate(TRUTH), peer]))  # a peer row is left out
     out = tmp_path / "model.json"
     assert pm.main([str(path), "--json", str(out)]) == 0
     text = capsys.readouterr().out

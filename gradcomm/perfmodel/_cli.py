@@ -29,8 +29,8 @@ def _fit(
     network: str, backend: Literal["auto", "gloo", "gloo-pairwise"], nodes: int | None
 ) -> dict[str, Any]:
     """Prints the fit to `network` and the crossover table; returns them for --json."""
-    with open(network) as f:
-        records = json.load(f)
+    with open(network) as f:  # gradcomm's records; the peer rows (PyTorch DDP) model nothing
+        records = [r for r in json.load(f) if r.get("framework", "jax") == "jax"]
     if backend == "auto":  # the records say how the benchmark's swaps ran
         pairwise = any(r.get("exchange") == "pairwise" for r in records)
         backend = "gloo-pairwise" if pairwise else "gloo"

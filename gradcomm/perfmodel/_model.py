@@ -9,16 +9,20 @@
 all-gather with output S, a reduce-scatter or an all-to-all of S (n-1)/n S, a permute S.
 `messages` is 2(n-1) for the ring all-reduce, n-1 for the other collectives, 1 for a permute.
 `share` is how often a collective runs (1/k for an average every k steps, 1/m for one of m
-gossip phases): parameter averaging (`local_sgd`, or a `sync` such as `periodic_average`
-beside a transformation) is an all-reduce of the params every k steps. `factor` is the
+gossip phases): parameter averaging (`local_sgd`, DiLoCo's outer step, or a `sync` such as
+`periodic_average` beside a transformation) is an all-reduce of the params every k steps.
+PowerSGD is two all-reduces, of the P factors (with the leaves it sends dense) and of the
+Q factors; a 16-bit all-reduce (`low_precision`) is one all-reduce of 2 bytes per
+parameter, or, for bfloat16 off GPU, an all-to-all and an all-gather of them. `factor` is the
 backend's time against that ideal: 1 on NCCL; on gloo it is measured per pattern, and a
 swap (two processes sending to each other) runs at half speed.
 `window` is the backward pass (`BACKWARD` of the compute) for methods whose exchange can
 start layer by layer (allreduce, adasum, terngrad, lags, gradient_dropping), the whole step
-for 1-overlap SGP (its message is mixed in a step later), nothing for slgs, sgp, dpsgd and
-local_sgd. On the CPU path (gloo) every collective runs after the backward pass: overlap is
-0, so osgp gains nothing over sgp there. Units: bandwidth in Gbit/s, latency and times in
-seconds, model size in parameters.
+for 1-overlap SGP (its message is mixed in a step later), nothing for the methods that
+exchange once all gradients are in (slgs, powersgd, low_precision's one flat buffer) and
+for sgp, dpsgd, local_sgd and diloco. On the CPU path (gloo) every collective runs after
+the backward pass: overlap is 0, so osgp gains nothing over sgp there. Units: bandwidth in
+Gbit/s, latency and times in seconds, model size in parameters.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
+
+from gradcomm import powersgd as _powersgd
 
 Window = Literal["backward", "step", "none"]
 BACKWARD = 2 / 3  # the backward pass's share of a step's compute (twice the forward pass)
@@ -111,6 +117,9 @@ class Backend:
         all-reduce, at the all-reduce's factor for n = 2).
       overlap: the fraction of a method's window in which communication hides: 0 where
         every collective runs after the backward pass (this CPU path), 1 on GPUs.
+      native_bf16: whether its all-reduce adds bfloat16 as bfloat16 (NCCL). Where it does
+        not (XLA:CPU over gloo), `low_precision` moves bfloat16 as bits: an all-to-all
+        and an all-gather.
     """
 
     name: str
@@ -118,6 +127,7 @@ class Backend:
     swap_factor: float = 1.0
     swaps: Literal["permute", "pairwise"] = "permute"
     overlap: float = 1.0
+    native_bf16: bool = True
 
     def factor(self, kind: str, n: int) -> float:
         """The time factor of one collective of `kind` over `n` members."""
@@ -138,7 +148,7 @@ def _gloo() -> Backend:
     one_way = 8 * 2**24 / 95.8e6  # 16 MiB at 95.8 Mbit/s, in seconds
     factors = {(k, n): t / (_sent(k, n) * one_way) for (k, n), t in GLOO_MEASURED.items()}
     swap = factors.pop(("swap", 2))
-    return Backend("gloo", factors, swap_factor=swap, overlap=0.0)
+    return Backend("gloo", factors, swap_factor=swap, overlap=0.0, native_bf16=False)
 
 
 GLOO = _gloo()
@@ -167,9 +177,9 @@ def _phases(topology: str, n: int) -> list[list[str]]:
     return [["swap" if 2 * s % n == 0 else "permute" for s in p if s] for p in peers]
 
 
-# The `gradcomm.ParamsSync` factories, run after the step: each an all-reduce of the params
-# every `every` steps (20 by default, as in gradcomm).
-SYNCS = ("periodic_average", "local_sgd")
+# The `gradcomm.ParamsSync` factories, run after the step, and their default periods: each
+# an all-reduce of the params every `every` steps (gradcomm's defaults).
+SYNCS = {"periodic_average": 20, "local_sgd": 20, "diloco": 500}
 
 
 def _averaging(
@@ -178,9 +188,48 @@ def _averaging(
     """A sync's collectives per step: the params' all-reduce, 1/every of the steps."""
     if sync is None or not amortize:
         return []
-    if sync.get("name") not in SYNCS:
-        raise ValueError(f"unknown sync {sync!r}: name one of {SYNCS}")
-    return [Collective("allreduce", n, size, 1 / sync.get("every", 20))]
+    name = sync.get("name")
+    if name not in SYNCS:
+        raise ValueError(f"unknown sync {sync!r}: name one of {tuple(SYNCS)}")
+    return [Collective("allreduce", n, size, 1 / sync.get("every", SYNCS[name]))]
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'bfloat16' for "bfloat16", `jnp.bfloat16` or `np.dtype("bfloat16")`; likewise others."""
+    if isinstance(dtype, str):
+        return dtype
+    return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
+
+
+def _sixteen_bit(
+    dtype: str, n: int, params: int, native_bf16: bool, exchange: str = "auto"
+) -> list[Collective]:
+    """`low_precision`'s exchange: 2 bytes per parameter, as it moves them."""
+    bits = exchange == "bits" or (exchange == "auto" and dtype == "bfloat16" and not native_bf16)
+    if bits:  # a reduce-scatter by hand (all-to-all), float32 sums, a gather
+        return [Collective("alltoall", n, 2.0 * params), Collective("allgather", n, 2.0 * params)]
+    return [Collective("allreduce", n, 2.0 * params)]
+
+
+def _low_rank(o: Mapping[str, Any], n: int, params: int, itemsize: int) -> list[Collective]:
+    """PowerSGD's two all-reduces: the P factors with the dense leaves, then the Q factors.
+
+    The leaves are `o["shapes"]` where given, else one square matrix of `params` entries.
+    """
+    rank = o.get("rank", 2)
+    rate = o.get("min_compression_rate", 2.0)
+    side = max(math.isqrt(params), 1)
+    p = q = dense = 0
+    for shape in o.get("shapes") or [(side, side)]:
+        matrix = _powersgd.matrix_shape(shape)
+        if matrix is not None and _powersgd.compresses(shape, rank, rate):
+            p, q = p + rank * matrix[0], q + rank * matrix[1]
+        else:
+            dense += math.prod(shape)
+    return [
+        Collective("allreduce", n, float((p + dense) * itemsize)),
+        Collective("allreduce", n, float(q * itemsize)),
+    ]
 
 
 def pattern(
@@ -192,22 +241,27 @@ def pattern(
     sync: Mapping[str, Any] | None = None,
     itemsize: int = 4,
     amortize: bool = True,
+    native_bf16: bool = False,
 ) -> list[Collective]:
     """The collectives of one step of a gradcomm method across `nodes` hosts.
 
     Args:
       method: a factory's name: "allreduce", "adasum", "terngrad", "lags", "slgs",
-        "gradient_dropping", "local_sgd", "sgp" or "dpsgd".
+        "gradient_dropping", "local_sgd", "sgp", "dpsgd", "powersgd", "low_precision"
+        or "diloco".
       params: the model's parameter count.
       nodes: the hosts on the link (a hierarchical Adasum's local mean stays in a host).
-      options: the factory's keyword arguments; density, drop_ratio, every (local_sgd's)
-        and topology matter, the others are ignored.
+      options: the factory's keyword arguments; density, drop_ratio, every (local_sgd's
+        and diloco's), topology, dtype and exchange (low_precision's), rank and
+        min_compression_rate (powersgd's) matter, the others are ignored. PowerSGD also
+        reads `shapes`, the leaves' shapes (default: one square matrix of `params`).
       sync: the `gradcomm.ParamsSync` run after each step beside the method, as its
         factory's name and keyword arguments: `{"name": "periodic_average", "every": 50}`
         is an all-reduce of the params every 50 steps (gradient dropping's model
         averaging); None for none.
       itemsize: bytes per parameter.
       amortize: count periodic averaging at 1/k per step; False leaves it out.
+      native_bf16: whether the backend adds bfloat16 natively (`Backend.native_bf16`).
 
     Returns:
       A list of `Collective`s; time-varying gossip is averaged over its phases.
@@ -223,6 +277,10 @@ def pattern(
       >>> sync = {"name": "periodic_average", "every": 50}
       >>> perfmodel.pattern("gradient_dropping", 1000, 4, sync=sync)[-1].share
       0.02
+      >>> [c.size for c in perfmodel.pattern("powersgd", 10_000, 2, options={"rank": 2})]
+      [800.0, 800.0]
+      >>> [c.kind for c in perfmodel.pattern("low_precision", 1000, 4)]
+      ['alltoall', 'allgather']
     """
     o, n, size = dict(options or {}), nodes, float(params * itemsize)
     if "average_every" in o:
@@ -233,8 +291,16 @@ def pattern(
     out: list[Collective] = []
     if n < 2:
         return out
-    if method == "allreduce":
-        out.append(Collective("allreduce", n, size))
+    if method in ("allreduce", "low_precision"):
+        default = "bfloat16" if method == "low_precision" else None
+        dtype = o.get("dtype", default)
+        if dtype is None:
+            out.append(Collective("allreduce", n, size))
+        else:
+            exchange = o.get("exchange", "auto")
+            out += _sixteen_bit(_dtype_name(dtype), n, params, native_bf16, exchange)
+    elif method == "powersgd":
+        out += _low_rank(o, n, params, itemsize)
     elif method == "adasum":  # fold to P = 2^m, m halving swaps (+ dot products), all-gather
         p = 1 << (n.bit_length() - 1)
         if n > p:
@@ -255,7 +321,7 @@ def pattern(
         density = 1 - o.get("drop_ratio", 0.99) if dropping else o.get("density", 0.001)
         k = max(1, round(density * params))
         out.append(Collective("allgather", n, n * k * (itemsize + 4)))
-    elif method == "local_sgd":  # its ParamsSync is the whole method
+    elif method in ("local_sgd", "diloco"):  # its ParamsSync is the whole method
         out += _averaging({"name": method, **o}, n, size, amortize)
     elif method in ("sgp", "dpsgd"):
         default = "exponential" if method == "sgp" else "exponential-bidirectional"
@@ -275,6 +341,8 @@ def window(method: str, options: Mapping[str, Any] | None = None) -> Window:
     """Where a method's communication can hide: "backward", "step" (osgp) or "none"."""
     if method == "sgp" and (options or {}).get("overlap", 0) > 0:
         return "step"
+    if method == "allreduce" and (options or {}).get("dtype") is not None:
+        return "none"  # `low_precision`'s one buffer
     return "backward" if method in _LAYERWISE else "none"
 
 
@@ -321,8 +389,9 @@ def predict(
       2.8
     """
     colls = pattern(
-        method, params, nodes, options=options, sync=sync, itemsize=itemsize, amortize=amortize
-    )
+        method, params, nodes, options=options, sync=sync, itemsize=itemsize,
+        amortize=amortize, native_bf16=backend.native_bf16,
+    )  # fmt: skip
     if (options or {}).get("exchange") in ("permute", "pairwise"):
         backend = dataclasses.replace(backend, swaps=options["exchange"])
     comm = sum(backend.factor(c.kind, c.n) * c.seconds(bandwidth, latency) for c in colls)
