@@ -249,6 +249,9 @@ PATTERNS = (
     "all_to_all",
     "pair_reduce_scatter",
     "pair_psum",
+    "psum_f16",
+    "psum_bf16",
+    "psum_u16",
 )
 
 
@@ -265,6 +268,7 @@ def pattern_worker(config: dict[str, Any]) -> None:
 
     devices = _join(config, 1)
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding
@@ -289,6 +293,11 @@ def pattern_worker(config: dict[str, Any]) -> None:
         "ppermute_one_way": (flat, shift([(i, i + 1) for i in range(0, n - 1, 2)]), size),
         "ppermute_swap": (flat, shift([(i, i ^ 1) for i in range(n - n % 2)]), size),
         "all_to_all": (flat, lambda x: lax.all_to_all(x, "data", 0, 0, tiled=True), size),
+        # The buffer's values in a 16-bit type, the cast included: what gloo's sum costs
+        # per format (XLA:CPU runs a bfloat16 all-reduce in float32).
+        "psum_f16": (flat, lambda x: lax.psum(x.astype(jnp.float16), "data"), size),
+        "psum_bf16": (flat, lambda x: lax.psum(x.astype(jnp.bfloat16), "data"), size),
+        "psum_u16": (flat, lambda x: lax.psum(x.astype(jnp.uint16), "data"), size),
     }
     if pairs is not None:
         last = pair_names[-1]

@@ -23,11 +23,11 @@ all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move i
   mesh's platform; it is this same code with bfloat16, and is not tested here (no GPU).
 
 `exchange` picks between them: "auto" (the above), "bits" or "psum" for either format.
-Over gloo (XLA:CPU in several processes) a float16 all-reduce adds its halves one element
-at a time: 56 ms for 4.2M values between two processes against 21 ms for float32 and 18
-ms for uint16 (one compute thread each). On a fast link that costs more than the halved
-bytes save, and `exchange="bits"` moves float16 as bits too, summing in float32; on a
-slow link the all-to-all's swaps run at half speed on gloo, and the psum is faster.
+Over gloo (XLA:CPU in several processes) a float16 all-reduce is slow to add: 50 ms for
+4.2M values between two processes against 25 ms in float32 and 16 ms in uint16 (one
+compute thread each; docs/bench/peer/patterns.md). On a fast link that costs more than
+the halved bytes save, and `exchange="bits"` moves float16 as bits too, summing in
+float32; on a slow link gloo runs the all-to-all's swaps at half speed, and the psum wins.
 
 Overflow cannot raise under `jit`, so it is reported in the state: a step overflowed when
 the mean is not finite although every device's inputs were (float16's largest value is
