@@ -35,6 +35,7 @@ QUOTED = [
     "docs/results.md",
     "docs/results/compare.md",
     "docs/bench/network.md",
+    "docs/bench/peer/network.md",
     "docs/bench/model.md",
 ]
 

@@ -168,6 +168,9 @@ def test_ctrl_c_cleans_up(tmp_path):
          "allreduce", "--params", "2e4", "--steps", "500", "--shaped-runs", "5",
          "--out", str(tmp_path)],
         env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # A shell's background job inherits SIGINT ignored, and so would the script: give
+        # it the default disposition, so that Python turns Ctrl-C into KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     prefix = f"gc{proc.pid % 100000}-"
     deadline = time.time() + 60
