@@ -22,12 +22,15 @@ all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move i
   cannot overflow where the mean fits. The GPU branch is chosen at trace time from the
   mesh's platform; it is this same code with bfloat16, and is not tested here (no GPU).
 
-`exchange` picks between them: "auto" (the above), "bits" or "psum" for either format.
-Over gloo (XLA:CPU in several processes) a float16 all-reduce is slow to add: 50 ms for
-4.2M values between two processes against 25 ms in float32 and 16 ms in uint16 (one
-compute thread each; docs/bench/peer/patterns.md). On a fast link that costs more than
-the halved bytes save, and `exchange="bits"` moves float16 as bits too, summing in
-float32; on a slow link gloo runs the all-to-all's swaps at half speed, and the psum wins.
+`exchange` picks between them: "bits" or "psum" for either format, "pairwise" (the bits
+scheme with its all-to-all and all-gather written as two-member reduce-scatters over size-2
+mesh axes, `gradcomm.parallel.pairwise_axes`), or "auto". Over gloo (XLA:CPU in several
+processes) a float16 all-reduce is slow to add (50 ms for 4.2M values between two
+processes against 25 ms in float32 and 16 ms in uint16, one compute thread each;
+docs/bench/peer/patterns.md), and an all-to-all's swaps run at half the link's speed; the
+pairwise bits scheme pays neither. So "auto" is "pairwise" for both formats on CPU
+devices in several processes over size-2 axes (as `gradcomm._axes.use_pairwise` decides
+for Adasum and SGP), and otherwise the above: bits for bfloat16 off GPU, else the psum.
 
 Overflow cannot raise under `jit`, so it is reported in the state: a step overflowed when
 the mean is not finite although every device's inputs were (float16's largest value is
@@ -54,8 +57,8 @@ from jax import lax
 from gradcomm import _axes, _checks, _collectives, _flat, _packing
 
 DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-Exchange = Literal["auto", "bits", "psum"]
-EXCHANGES: tuple[str, ...] = ("auto", "bits", "psum")
+Exchange = Literal["auto", "bits", "pairwise", "psum"]
+EXCHANGES: tuple[str, ...] = ("auto", "bits", "pairwise", "psum")
 
 
 class LowPrecisionState(NamedTuple):
@@ -102,11 +105,13 @@ def low_precision(
       axis_name: the mesh axis, or tuple of axes, to average over.
       dtype: the format on the wire, `jnp.bfloat16` (8 significant bits, float32's range)
         or `jnp.float16` (11 significant bits, largest value 65504).
-      exchange: "auto" (bfloat16 as bits off GPU, else one `psum`), "bits" (an
-        `all_to_all` of the 16-bit patterns, float32 sums in device order, an
-        `all_gather`; with float16, each device's values must fit float16) or "psum"
-        (one `lax.psum` in `dtype` of the values divided by N; XLA:CPU runs a bfloat16
-        one in float32, which saves no bytes).
+      exchange: "bits" (an `all_to_all` of the 16-bit patterns, float32 sums in device
+        order, an `all_gather`; with float16, each device's values must fit float16),
+        "pairwise" (the same, its collectives as two-member reduce-scatters over size-2
+        axes: the same bits, full speed on gloo), "psum" (one `lax.psum` in `dtype` of
+        the values divided by N; XLA:CPU runs a bfloat16 one in float32, which saves no
+        bytes) or "auto" ("pairwise" on gloo over size-2 axes, else bits for bfloat16
+        off GPU and the psum otherwise).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`
@@ -164,12 +169,16 @@ def low_precision(
             return updates, LowPrecisionState(jnp.array(False), state.overflow_count)
         xs = [jnp.asarray(leaves[i]) for i in live]
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
-        if exchange == "auto":
+        how = exchange
+        if how in ("auto", "pairwise"):
+            how = "pairwise" if _axes.use_pairwise(axis_name, how, "low_precision") else "auto"
+        if how == "auto":
             native = wire == np.dtype(jnp.float16) or _axes._platform() == "gpu"
+            how = "psum" if native else "bits"
+        if how == "psum":
+            means, overflow = _psum_mean(xs, finite, axis_name, n, wire)
         else:
-            native = exchange == "psum"
-        mean = _psum_mean if native else _bits_mean
-        means, overflow = mean(xs, finite, axis_name, n, wire)
+            means, overflow = _bits_mean(xs, finite, axis_name, n, wire, how == "pairwise")
         out = list(leaves)
         for i, x, m in zip(live, xs, means, strict=True):
             out[i] = m.reshape(x.shape).astype(x.dtype)
@@ -199,9 +208,15 @@ _INPUTS_NONFINITE, _CHUNK_NONFINITE = 1, 2  # the flag word's bits
 
 
 def _bits_mean(
-    xs: list[jax.Array], finite: jax.Array, axis_name: _axes.AxisName, n: int, wire: np.dtype
+    xs: list[jax.Array],
+    finite: jax.Array,
+    axis_name: _axes.AxisName,
+    n: int,
+    wire: np.dtype,
+    pairwise: bool = False,
 ) -> tuple[list[jax.Array], jax.Array]:
-    """The mean of bfloat16 values moved as bits: `all_to_all`, float32 sums, `all_gather`.
+    """The mean of 16-bit values moved as bits: `all_to_all`, float32 sums, `all_gather`
+    (with `pairwise`, their two-member reduce-scatter forms: the same bits).
 
     Returns the flat means of the leaves (in `wire`) and the overflow flag.
     """
@@ -212,7 +227,10 @@ def _bits_mean(
     if n * chunk > total:
         parts.append(jnp.zeros(n * chunk - total, jnp.uint16))
     flat = _axes.vary(_packing.concatenate(parts), axis_name)
-    mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
+    if pairwise:
+        mine = _collectives.all_to_all_pairwise(flat.reshape(n, chunk), axis_name)
+    else:
+        mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
     received = lax.bitcast_convert_type(mine, wire).astype(jnp.float32)
     acc = received[0]
     for j in range(1, n):  # device order: every chunk is summed the same way
@@ -224,7 +242,8 @@ def _bits_mean(
     word = _packing.concatenate(
         [lax.bitcast_convert_type(mean, jnp.uint16), flag.astype(jnp.uint16)[None]]
     )
-    gathered = _collectives.all_gather_invariant(word, axis_name)  # (n, chunk + 1)
+    gather = _collectives.all_gather_pairwise if pairwise else _collectives.all_gather_invariant
+    gathered = gather(word, axis_name)  # (n, chunk + 1)
     flags = gathered[:, chunk]
     overflow = jnp.any(flags & _CHUNK_NONFINITE != 0) & jnp.all(flags & _INPUTS_NONFINITE == 0)
     values = lax.bitcast_convert_type(gathered[:, :chunk].reshape(-1), wire)

@@ -343,3 +343,41 @@ def test_allreduce_with_a_dtype_is_low_precision():
         expected = jax.jit(jax.vmap(RUN[np.dtype(dtype)], axis_name="data"))(rows)
         jax.tree.map(np.testing.assert_array_equal, out, expected)
     assert gradcomm.allreduce("data", dtype=None).init(rows) == gradcomm.AllReduceState()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pairwise_is_the_bits_scheme_in_reduce_scatters(n):
+    """`exchange="pairwise"` over size-2 axes: the same bits as "bits" over one axis, for
+    both formats, through two-member reduce-scatters only (no all-to-all, no gather)."""
+    axes = parallel.pairwise_axes("data", n)
+    mesh = parallel.make_mesh(axes, devices=jax.devices()[:n])
+    names = tuple(axes)
+    rows = _rows(n, seed=20 + n)
+    sharding = NamedSharding(mesh, P(names))
+    placed = jax.tree.map(lambda x: jax.device_put(x, sharding), rows)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        tx = low_precision(names, dtype, exchange="pairwise")
+
+        def body(t, tx=tx):
+            out, state = tx.update(jax.tree.map(lambda x: x[0], t), tx.init(t))
+            return jax.tree.map(lambda x: x[None], out), state
+
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names), P())))
+        out, state = step(placed)
+        expected, _ = per_device(
+            RUN[np.dtype(dtype)] if dtype == jnp.bfloat16 else _f16_bits, n, rows
+        )
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, out), expected)
+        assert not np.asarray(state.overflow).any()
+        kinds = wire.measure(step, placed).by_kind()
+        assert set(kinds) == {"reduce-scatter"}, kinds
+    with pytest.raises(ValueError, match="size 2 only"):
+        jax.vmap(
+            lambda g: low_precision("data", exchange="pairwise").update(g, None),
+            axis_name="data",
+        )(jnp.ones((3, 2)))
+
+
+def _f16_bits(tree):
+    tx = low_precision("data", jnp.float16, exchange="bits")
+    return tx.update(tree, tx.init(tree))

@@ -202,9 +202,18 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _sixteen_bit(
-    dtype: str, n: int, params: int, native_bf16: bool, exchange: str = "auto"
+    dtype: str,
+    n: int,
+    params: int,
+    native_bf16: bool,
+    exchange: str = "auto",
+    pairwise: bool = False,
 ) -> list[Collective]:
     """`low_precision`'s exchange: 2 bytes per parameter, as it moves them."""
+    if exchange == "pairwise" or (exchange == "auto" and pairwise):  # size-2 reduce-scatters
+        levels = max(n.bit_length() - 1, 1)
+        swaps = [Collective("swap", 2, float(params)) for _ in range(levels)]  # half each
+        return [*swaps, Collective("doubling_gather", n, 2.0 * params)]
     bits = exchange == "bits" or (exchange == "auto" and dtype == "bfloat16" and not native_bf16)
     if bits:  # a reduce-scatter by hand (all-to-all), float32 sums, a gather
         return [Collective("alltoall", n, 2.0 * params), Collective("allgather", n, 2.0 * params)]
@@ -242,6 +251,7 @@ def pattern(
     itemsize: int = 4,
     amortize: bool = True,
     native_bf16: bool = False,
+    pairwise: bool = False,
 ) -> list[Collective]:
     """The collectives of one step of a gradcomm method across `nodes` hosts.
 
@@ -262,6 +272,8 @@ def pattern(
       itemsize: bytes per parameter.
       amortize: count periodic averaging at 1/k per step; False leaves it out.
       native_bf16: whether the backend adds bfloat16 natively (`Backend.native_bf16`).
+      pairwise: whether swaps run as two-member reduce-scatters (`Backend.swaps`), where
+        `low_precision`'s "auto" exchange is "pairwise".
 
     Returns:
       A list of `Collective`s; time-varying gossip is averaged over its phases.
@@ -298,7 +310,8 @@ def pattern(
             out.append(Collective("allreduce", n, size))
         else:
             exchange = o.get("exchange", "auto")
-            out += _sixteen_bit(_dtype_name(dtype), n, params, native_bf16, exchange)
+            name = _dtype_name(dtype)
+            out += _sixteen_bit(name, n, params, native_bf16, exchange, pairwise)
     elif method == "powersgd":
         out += _low_rank(o, n, params, itemsize)
     elif method == "adasum":  # fold to P = 2^m, m halving swaps (+ dot products), all-gather
@@ -391,6 +404,7 @@ def predict(
     colls = pattern(
         method, params, nodes, options=options, sync=sync, itemsize=itemsize,
         amortize=amortize, native_bf16=backend.native_bf16,
+        pairwise=backend.swaps == "pairwise",
     )  # fmt: skip
     if (options or {}).get("exchange") in ("permute", "pairwise"):
         backend = dataclasses.replace(backend, swaps=options["exchange"])
