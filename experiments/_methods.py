@@ -113,7 +113,9 @@ METHODS: dict[str, Spec] = {s.label: s for s in (
     Spec("dpsgd", "dpsgd", per_device=True),
     Spec("powersgd", "powersgd", {"rank": 2}, first=True),
     Spec("fp16", "low_precision", {"dtype": "float16"}, first=True),
-    # float16 as bits (all_to_all, float32 sums, all_gather): gloo adds float16 slowly.
+    # float16's other exchanges ("auto" is "pairwise" on gloo over size-2 axes): one psum
+    # (gloo adds float16 slowly), and the bits through an all_to_all and an all_gather.
+    Spec("fp16-psum", "low_precision", {"dtype": "float16", "exchange": "psum"}, first=True),
     Spec("fp16-bits", "low_precision", {"dtype": "float16", "exchange": "bits"}, first=True),
     Spec("bf16", "low_precision", {"dtype": "bfloat16"}, first=True),
     Spec("diloco", "diloco", {"every": 20}, per_device=True),
