@@ -3,8 +3,8 @@
 `lax.ppermute` and `lax.all_gather` behave differently under `shard_map`, `pmap` and a named
 `vmap`; the wrappers here give one behaviour everywhere. `exchange` and
 `all_gather_pairwise` are the swap and the gather written as two-member reduce-scatters (and
-`all_to_all_pairwise` the all-to-all), which gloo runs at full speed both ways (see
-`gradcomm._axes.use_pairwise`).
+`reduce_scatter_pairwise` a summing reduce-scatter), which gloo runs at full speed both
+ways (see `gradcomm._axes.use_pairwise`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from gradcomm._axes import AxisName, axis_names, axis_size, is_manual, vary, varying_axes
+from gradcomm._axes import (
+    AxisName,
+    axis_names,
+    axis_size,
+    compute_dtype,
+    is_manual,
+    vary,
+    varying_axes,
+)
 
 
 def all_gather_invariant(x: jax.Array, axis_name: AxisName, *, tiled: bool = False) -> jax.Array:
@@ -141,27 +149,28 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     return assume_invariant(held, axis_name)
 
 
-def all_to_all_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    """`lax.all_to_all(x, axis_name, 0, 0, tiled=True)` of N rows over size-2 axes.
+def reduce_scatter_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The sum over the devices of row i of `x` (N rows), on device i: recursive halving.
 
-    Row j of `x` goes to device j; row j of the result came from device j. One `exchange`
-    per size-2 axis (hypercube routing): at level b each device keeps the rows whose
-    destination shares its bit b and swaps the other half with device i ^ 2^b, putting
-    what it receives where the row index's bit b now names the source. Each device sends
-    log2(N) halves (the all-to-all's (N - 1) / N of the rows at N = 2, 1 at N = 4 against
-    3/4), at full speed both ways on gloo, where an all-to-all's swaps run at half speed.
+    One `exchange` per size-2 axis: at level b each device keeps the rows whose index
+    shares its bit b, sends the other half to device i ^ 2^b, and adds what it receives,
+    in float32 at least, rounded back to `x`'s dtype (a 16-bit sum of two per level, as a
+    16-bit ring all-reduce rounds each partial sum). Each device sends (N - 1) / N of `x`,
+    like a reduce-scatter, at full speed both ways on gloo. The tree is fixed, so the
+    result is deterministic; the two partners' sums agree, a float addition commuting.
     """
     n = x.shape[0]
     held = x
     for level, name in enumerate(_bit_axes(axis_name)):
-        half = 1 << level
-        rows = held.reshape(n // (2 * half), 2, half, *x.shape[1:])
-        upper = lax.axis_index(name) == 1  # this device's bit `level`
+        rows = held.reshape(-1, 2, *x.shape[1:])  # by the row index's bit `level`
+        upper = lax.axis_index(name) == 1
         keep = jnp.where(upper, rows[:, 1], rows[:, 0])
-        received = exchange(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, half)
-        pair = [jnp.where(upper, received, keep), jnp.where(upper, keep, received)]
-        held = jnp.stack(pair, axis=1).reshape(x.shape)
-    return held
+        received = exchange(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, 1 << level)
+        wide = compute_dtype(x.dtype)
+        held = (keep.astype(wide) + received.astype(wide)).astype(x.dtype)
+    if held.shape[0] != 1 or n != 1 << len(_bit_axes(axis_name)):
+        raise ValueError(f"reduce_scatter_pairwise: {n} rows over axes of {axis_name!r}")
+    return held[0]
 
 
 # A no-op that types a value as invariant over mesh axes: what `psum` does to its result,

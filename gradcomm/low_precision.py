@@ -22,13 +22,14 @@ all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move i
   cannot overflow where the mean fits. The GPU branch is chosen at trace time from the
   mesh's platform; it is this same code with bfloat16, and is not tested here (no GPU).
 
-`exchange` picks between them: "bits" or "psum" for either format, "pairwise" (the bits
-scheme with its all-to-all and all-gather written as two-member reduce-scatters over size-2
-mesh axes, `gradcomm.parallel.pairwise_axes`), or "auto". Over gloo (XLA:CPU in several
+`exchange` picks between them: "bits" or "psum" for either format, "pairwise" (over size-2
+mesh axes, `gradcomm.parallel.pairwise_axes`: the psum's scaled 16-bit values, summed by
+recursive halving in two-member reduce-scatters, each sum of two in float32 rounded to
+16 bits, and gathered by recursive doubling), or "auto". Over gloo (XLA:CPU in several
 processes) a float16 all-reduce is slow to add (50 ms for 4.2M values between two
 processes against 25 ms in float32 and 16 ms in uint16, one compute thread each;
 docs/bench/peer/patterns.md), and an all-to-all's swaps run at half the link's speed; the
-pairwise bits scheme pays neither. So "auto" is "pairwise" for both formats on CPU
+pairwise scheme pays neither. So "auto" is "pairwise" for both formats on CPU
 devices in several processes over size-2 axes (as `gradcomm._axes.use_pairwise` decides
 for Adasum and SGP), and otherwise the above: bits for bfloat16 off GPU, else the psum.
 
@@ -107,8 +108,9 @@ def low_precision(
         or `jnp.float16` (11 significant bits, largest value 65504).
       exchange: "bits" (an `all_to_all` of the 16-bit patterns, float32 sums in device
         order, an `all_gather`; with float16, each device's values must fit float16),
-        "pairwise" (the same, its collectives as two-member reduce-scatters over size-2
-        axes: the same bits, full speed on gloo), "psum" (one `lax.psum` in `dtype` of
+        "pairwise" (over size-2 axes, divided by N and rounded as in the psum, summed
+        by recursive halving in two-member reduce-scatters, gathered by doubling: a
+        ring's bytes at full speed on gloo), "psum" (one `lax.psum` in `dtype` of
         the values divided by N; XLA:CPU runs a bfloat16 one in float32, which saves no
         bytes) or "auto" ("pairwise" on gloo over size-2 axes, else bits for bfloat16
         off GPU and the psum otherwise).
@@ -215,27 +217,33 @@ def _bits_mean(
     wire: np.dtype,
     pairwise: bool = False,
 ) -> tuple[list[jax.Array], jax.Array]:
-    """The mean of 16-bit values moved as bits: `all_to_all`, float32 sums, `all_gather`
-    (with `pairwise`, their two-member reduce-scatter forms: the same bits).
+    """The mean of 16-bit values moved as bits: `all_to_all`, float32 sums, `all_gather`.
 
+    With `pairwise`, over size-2 axes: each value divided by n and rounded to `wire` (as
+    in the psum), summed by recursive halving in two-member reduce-scatters (each level's
+    sum of two in float32, rounded to `wire`: `_collectives.reduce_scatter_pairwise`),
+    then gathered by recursive doubling; (N - 1) / N of the buffer each way, as a ring.
     Returns the flat means of the leaves (in `wire`) and the overflow flag.
     """
     sizes = [x.size for x in xs]
     total = sum(sizes)
     chunk = -(-total // n)
+    if pairwise:
+        xs = [x.astype(_axes.compute_dtype(x.dtype)) / n for x in xs]
     parts = [lax.bitcast_convert_type(jnp.ravel(x).astype(wire), jnp.uint16) for x in xs]
     if n * chunk > total:
         parts.append(jnp.zeros(n * chunk - total, jnp.uint16))
     flat = _axes.vary(_packing.concatenate(parts), axis_name)
     if pairwise:
-        mine = _collectives.all_to_all_pairwise(flat.reshape(n, chunk), axis_name)
+        values = lax.bitcast_convert_type(flat.reshape(n, chunk), wire)
+        mean = _collectives.reduce_scatter_pairwise(values, axis_name)
     else:
         mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
-    received = lax.bitcast_convert_type(mine, wire).astype(jnp.float32)
-    acc = received[0]
-    for j in range(1, n):  # device order: every chunk is summed the same way
-        acc = acc + received[j]
-    mean = (acc / n).astype(wire)
+        received = lax.bitcast_convert_type(mine, wire).astype(jnp.float32)
+        acc = received[0]
+        for j in range(1, n):  # device order: every chunk is summed the same way
+            acc = acc + received[j]
+        mean = (acc / n).astype(wire)
     flag = jnp.where(finite, 0, _INPUTS_NONFINITE) | jnp.where(
         jnp.all(jnp.isfinite(mean)), 0, _CHUNK_NONFINITE
     )

@@ -269,12 +269,13 @@ def test_new_methods_bytes_are_the_compiled_programs(method, options, extra):
         nccl = pm.predict(method, params, n, 1.0, options=options, backend=pm.NCCL)
         assert gloo.wire_bytes == pytest.approx(nccl.wire_bytes)
         assert [c.kind for c in model] == ["alltoall", "allgather"]
-    # Over size-2 axes on gloo, "auto" is the pairwise form: log2 N swaps of half, a gather.
+    # Over size-2 axes on gloo, "auto" is the pairwise form: swaps of a half and a quarter
+    # (recursive halving), a doubling gather: a ring's bytes.
     if method == "low_precision" and "exchange" not in options:
         kinds = [c.kind for c in pm.pattern(method, params, n, options=options, pairwise=True)]
         assert kinds == ["swap", "swap", "doubling_gather"]
         paired = pm.predict(method, params, n, 1.0, options=options, backend=pm.GLOO_PAIRWISE)
-        assert paired.wire_bytes == pytest.approx((2 * 1 + 3 / 4 * 2) * params)
+        assert paired.wire_bytes == pytest.approx((2 * 3 / 4 + 3 / 4 * 2) * params)
 
 
 def test_overlap():

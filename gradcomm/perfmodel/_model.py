@@ -211,8 +211,8 @@ def _sixteen_bit(
 ) -> list[Collective]:
     """`low_precision`'s exchange: 2 bytes per parameter, as it moves them."""
     if exchange == "pairwise" or (exchange == "auto" and pairwise):  # size-2 reduce-scatters
-        levels = max(n.bit_length() - 1, 1)
-        swaps = [Collective("swap", 2, float(params)) for _ in range(levels)]  # half each
+        levels = max(n.bit_length() - 1, 1)  # recursive halving: half, a quarter, ...
+        swaps = [Collective("swap", 2, 2.0 * params / 2 ** (b + 1)) for b in range(levels)]
         return [*swaps, Collective("doubling_gather", n, 2.0 * params)]
     bits = exchange == "bits" or (exchange == "auto" and dtype == "bfloat16" and not native_bf16)
     if bits:  # a reduce-scatter by hand (all-to-all), float32 sums, a gather
