@@ -2,7 +2,7 @@
 
 PyTorch DDP's `fp16_compress_hook` and `bf16_compress_hook`: each device's update is
 rounded to float16 or bfloat16 for the exchange, which halves the bytes of a float32
-all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move it:
+all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move it (a third, below):
 
 * **bits** (bfloat16 off GPU). XLA:CPU runs a bfloat16 all-reduce, reduce-scatter,
   all-gather or all-to-all as a float32 one (its optimized HLO converts the operand to
