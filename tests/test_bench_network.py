@@ -163,15 +163,18 @@ def test_shaping_is_measured():
 @needs_root
 def test_ctrl_c_cleans_up(tmp_path):
     before = namespaces()
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit", "--methods",
-         "allreduce", "--params", "2e4", "--steps", "500", "--shaped-runs", "5",
-         "--out", str(tmp_path)],
-        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        # A shell's background job inherits SIGINT ignored, and so would the script: give
-        # it the default disposition, so that Python turns Ctrl-C into KeyboardInterrupt.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    # A shell's background job inherits SIGINT ignored, and so would the script. A handled
+    # signal becomes the default across exec, where Python turns it into KeyboardInterrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit", "--methods",
+             "allreduce", "--params", "2e4", "--steps", "500", "--shaped-runs", "5",
+             "--out", str(tmp_path)],
+            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     prefix = f"gc{proc.pid % 100000}-"
     deadline = time.time() + 60
     while time.time() < deadline and not any(n.startswith(prefix) for n in namespaces()):
