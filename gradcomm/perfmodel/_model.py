@@ -13,7 +13,8 @@ gossip phases): parameter averaging (`local_sgd`, DiLoCo's outer step, or a `syn
 `periodic_average` beside a transformation) is an all-reduce of the params every k steps.
 PowerSGD is two all-reduces, of the P factors (with the leaves it sends dense) and of the
 Q factors; a 16-bit all-reduce (`low_precision`) is one all-reduce of 2 bytes per
-parameter, or, for bfloat16 off GPU, an all-to-all and an all-gather of them. `factor` is the
+parameter, or an all-to-all and an all-gather of them (its bits exchange), or swaps of a
+half, a quarter, ... and a doubling gather (its pairwise exchange). `factor` is the
 backend's time against that ideal: 1 on NCCL; on gloo it is measured per pattern, and a
 swap (two processes sending to each other) runs at half speed.
 `window` is the backward pass (`BACKWARD` of the compute) for methods whose exchange can
