@@ -27,6 +27,28 @@ PEER_NAMES = {
 }
 
 
+def _timed(
+    res: dict[str, Any], base: list[float], nodes: int, rate: str, links: list[float]
+) -> dict[str, Any]:
+    """A record's cell and timing: its link, its steps, and its ratios run by run to the
+    baseline's steps `base` in the same runs."""
+    ratios = [t / b for t, b in zip(res["runs"], base, strict=True)]
+    return {
+        "nodes": nodes,
+        "rate": rate,
+        "rate_mbit": netcluster.parse_rate(rate),
+        "link_mbit_measured": float(np.mean(links)) if links else None,
+        "link_mbit_hosts": links,
+        "params": res["params"],
+        "param_bytes": 4 * res["params"],
+        "step_s": float(np.median(res["runs"])),
+        "step_s_runs": res["runs"],
+        "allreduce_step_s": float(np.median(base)),
+        "ratio_vs_allreduce": float(np.median(ratios)),
+        "ratio_runs": ratios,
+    }
+
+
 def records_of(
     results: dict[str, Any], nodes: int, rate: str, links: list[float], local: bool,
     bytes_known: dict[tuple[int, str], float], allocator: str = "retain",
@@ -43,26 +65,14 @@ def records_of(
     for label, res in results.items():
         if local and label == "allreduce":
             continue
-        ratios = [t / b for t, b in zip(res["runs"], base, strict=True)]
         key = (nodes, label)
         if res["bytes"] is not None:
             bytes_known[key] = res["bytes"]
         out.append(
             {
                 **spec_of(label).describe(),
-                "nodes": nodes,
+                **_timed(res, base, nodes, rate, links),
                 "devices_per_process": 2 if local else 1,
-                "rate": rate,
-                "rate_mbit": netcluster.parse_rate(rate),
-                "link_mbit_measured": float(np.mean(links)) if links else None,
-                "link_mbit_hosts": links,
-                "params": res["params"],
-                "param_bytes": 4 * res["params"],
-                "step_s": float(np.median(res["runs"])),
-                "step_s_runs": res["runs"],
-                "allreduce_step_s": float(np.median(base)),
-                "ratio_vs_allreduce": float(np.median(ratios)),
-                "ratio_runs": ratios,
                 "bytes_per_step": bytes_known.get(key),
                 "cycle": res["cycle"],
                 "timing": "cycle-mean" if res["cycle"] > 1 else "median",
@@ -94,7 +104,6 @@ def peer_records_of(
     out = []
     for label in [v for v in VARIANTS if v in results]:
         res = results[label]
-        ratios = [t / b for t, b in zip(res["runs"], base, strict=True)]
         out.append(
             {
                 "label": label,
@@ -104,19 +113,8 @@ def peer_records_of(
                 "bucket_cap_mb": BUCKET_CAP_MB,
                 "buckets": res["buckets"],
                 "warmup_steps": res["warmup_steps"],
-                "nodes": nodes,
+                **_timed(res, base, nodes, rate, links),
                 "devices_per_process": 1,
-                "rate": rate,
-                "rate_mbit": netcluster.parse_rate(rate),
-                "link_mbit_measured": float(np.mean(links)) if links else None,
-                "link_mbit_hosts": links,
-                "params": res["params"],
-                "param_bytes": 4 * res["params"],
-                "step_s": float(np.median(res["runs"])),
-                "step_s_runs": res["runs"],
-                "allreduce_step_s": float(np.median(base)),
-                "ratio_vs_allreduce": float(np.median(ratios)),
-                "ratio_runs": ratios,
                 "bytes_per_step": res["bytes"],
                 "timing": "median",
                 "backend": "gloo",

@@ -68,6 +68,9 @@ def test_refuses_without_root_as_a_process():
         (["--rates", "100mb"], "bad rate '100mb'"),
         (["--methods", "nope"], "unknown method(s): nope; choose from allreduce"),
         (["--nodes", "1"], "every node count must be at least 2"),
+        (["--threads", "0"], "--threads must be between 1 and the"),
+        (["--threads", str(len(os.sched_getaffinity(0)) + 1)], "--threads must be between"),
+        (["--patterns", "--peer"], "--peer times training steps"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(args, message, capsys):

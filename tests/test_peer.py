@@ -122,21 +122,6 @@ def test_peer_without_torch_exits_2_with_the_install_hint(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--threads", "0"], "--threads must be between 1 and the"),
-        (["--threads", str(len(os.sched_getaffinity(0)) + 1)], "--threads must be between"),
-        (["--patterns", "--peer"], "--peer times training steps"),
-    ],
-)
-def test_bad_peer_and_thread_arguments(args, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench_network.parse_args(args)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 def test_compute_threads_sizes_xlas_pool_and_restores_the_mask():
     # XLA:CPU's intra-op pool threads are named tf_XLAEigen (jax 0.10.2): one with one CPU.
     code = """
