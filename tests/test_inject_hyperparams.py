@@ -72,7 +72,9 @@ def test_injected_clip_matches_the_static_one():
     np.testing.assert_array_equal(run(inner(axis_name="data", clip=1.5)), static)
 
 
-@pytest.mark.parametrize(("factory", "arg", "value"), STRUCTURAL, ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("factory", "arg", "value"), STRUCTURAL, ids=lambda v: getattr(v, "__name__", str(v))
+)
 def test_structural_arguments_name_static_args(factory, arg, value):
     others = tuple(a for f, a, _ in STRUCTURAL if f is factory and a != arg)
     tx = optax.inject_hyperparams(factory, static_args=others)(axis_name="data", **{arg: value})
