@@ -86,10 +86,10 @@ def vary(x: jax.Array, axis_name: AxisName) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def check_exchange(exchange: Any) -> Exchange:
-    """Validates an `exchange` argument at construction time."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+def check_exchange(exchange: Any, choices: tuple[str, ...] = EXCHANGES) -> str:
+    """Validates an `exchange` argument at construction time: one of `choices`."""
+    if exchange not in choices:
+        raise ValueError(f"exchange must be one of {choices}, got {exchange!r}")
     return exchange
 
 

@@ -159,17 +159,17 @@ def reduce_scatter_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     like a reduce-scatter, at full speed both ways on gloo. The tree is fixed, so the
     result is deterministic; the two partners' sums agree, a float addition commuting.
     """
-    n = x.shape[0]
+    bit_axes = _bit_axes(axis_name)
+    if x.shape[0] != 1 << len(bit_axes):
+        raise ValueError(f"reduce_scatter_pairwise: {x.shape[0]} rows over axes of {axis_name!r}")
+    wide = compute_dtype(x.dtype)
     held = x
-    for level, name in enumerate(_bit_axes(axis_name)):
+    for level, name in enumerate(bit_axes):
         rows = held.reshape(-1, 2, *x.shape[1:])  # by the row index's bit `level`
         upper = lax.axis_index(name) == 1
         keep = jnp.where(upper, rows[:, 1], rows[:, 0])
         received = exchange(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, 1 << level)
-        wide = compute_dtype(x.dtype)
         held = (keep.astype(wide) + received.astype(wide)).astype(x.dtype)
-    if held.shape[0] != 1 or n != 1 << len(_bit_axes(axis_name)):
-        raise ValueError(f"reduce_scatter_pairwise: {n} rows over axes of {axis_name!r}")
     return held[0]
 
 

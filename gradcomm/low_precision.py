@@ -151,8 +151,7 @@ def low_precision(
     """
     _axes.check_axis_name(axis_name)
     wire = check_dtype(dtype)
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    _axes.check_exchange(exchange, EXCHANGES)
 
     def init_fn(params: Any) -> LowPrecisionState:
         del params

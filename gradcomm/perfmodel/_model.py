@@ -33,6 +33,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
+
 from gradcomm import powersgd as _powersgd
 
 Window = Literal["backward", "step", "none"]
@@ -195,13 +197,6 @@ def _averaging(
     return [Collective("allreduce", n, size, 1 / sync.get("every", SYNCS[name]))]
 
 
-def _dtype_name(dtype: Any) -> str:
-    """'bfloat16' for "bfloat16", `jnp.bfloat16` or `np.dtype("bfloat16")`; likewise others."""
-    if isinstance(dtype, str):
-        return dtype
-    return getattr(dtype, "name", None) or getattr(dtype, "__name__", str(dtype))
-
-
 def _sixteen_bit(
     dtype: str,
     n: int,
@@ -311,7 +306,7 @@ def pattern(
             out.append(Collective("allreduce", n, size))
         else:
             exchange = o.get("exchange", "auto")
-            name = _dtype_name(dtype)
+            name = np.dtype(dtype).name  # "bfloat16" for jnp.bfloat16 too
             out += _sixteen_bit(name, n, params, native_bf16, exchange, pairwise)
     elif method == "powersgd":
         out += _low_rank(o, n, params, itemsize)
