@@ -113,8 +113,11 @@ METHODS: dict[str, Spec] = {s.label: s for s in (
     Spec("dpsgd", "dpsgd", per_device=True),
     Spec("powersgd", "powersgd", {"rank": 2}, first=True),
     Spec("fp16", "low_precision", {"dtype": "float16"}, first=True),
-    # float16's other exchanges ("auto" is "pairwise" on gloo over size-2 axes): one psum
-    # (gloo adds float16 slowly), and the bits through an all_to_all and an all_gather.
+    # float16's other exchanges ("auto" on gloo is "pairwise" at N = 2, "ring" above): the
+    # pairwise one at every N, one psum (gloo adds float16 slowly), and the bits through an
+    # all_to_all and an all_gather.
+    Spec("fp16-pairwise", "low_precision", {"dtype": "float16", "exchange": "pairwise"},
+         first=True),
     Spec("fp16-psum", "low_precision", {"dtype": "float16", "exchange": "psum"}, first=True),
     Spec("fp16-bits", "low_precision", {"dtype": "float16", "exchange": "bits"}, first=True),
     Spec("bf16", "low_precision", {"dtype": "bfloat16"}, first=True),

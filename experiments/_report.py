@@ -29,7 +29,7 @@ PALETTE = (
 )  # fmt: skip
 # One marker per method of the registry, in its order.
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "h", "p", "<", ">", "d", "H", "8",
-           "x", "+", "1", "2", "3", "4")  # fmt: skip
+           "x", "+", "1", "2", "3", "4", "|")  # fmt: skip
 LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)))
 
 

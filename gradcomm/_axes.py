@@ -118,9 +118,18 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
             f"(build them with gradcomm.parallel.pairwise_axes), got sizes {sizes}"
         )
     if exchange == "auto":
-        on_gloo = _platform() == "cpu" and jax.process_count() > 1
-        return factored and on_gloo and is_manual(axis_name)
+        return factored and on_gloo(axis_name)
     return exchange == "pairwise"
+
+
+def on_gloo(axis_name: AxisName) -> bool:
+    """Whether collectives over `axis_name` go through gloo over the network.
+
+    They do under `shard_map` or `pmap` on CPU devices in more than one process (XLA:CPU's
+    cross-process collectives); within one process, or under a named `vmap`, there is
+    no link.
+    """
+    return _platform() == "cpu" and jax.process_count() > 1 and is_manual(axis_name)
 
 
 def compute_dtype(dtype: Any) -> np.dtype:

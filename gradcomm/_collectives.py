@@ -4,7 +4,8 @@
 `vmap`; the wrappers here give one behaviour everywhere. `exchange` and
 `all_gather_pairwise` are the swap and the gather written as two-member reduce-scatters (and
 `reduce_scatter_pairwise` a summing reduce-scatter), which gloo runs at full speed both
-ways (see `gradcomm._axes.use_pairwise`).
+ways (see `gradcomm._axes.use_pairwise`); `reduce_scatter_ring` is a summing reduce-scatter
+of one-way shifts, which gloo also runs at full speed.
 """
 
 from __future__ import annotations
@@ -171,6 +172,37 @@ def reduce_scatter_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
         received = exchange(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, 1 << level)
         held = (keep.astype(wide) + received.astype(wide)).astype(x.dtype)
     return held[0]
+
+
+def reduce_scatter_ring(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The sum over the devices of row i of `x` (N rows), on device i: a one-way ring.
+
+    N - 1 shifts, each device sending to device i + 1 (mod N) only. Device i starts the
+    partial sum of row i - 1 with its own row and sends it on; each device adds its own
+    row to the partial sum it receives, in float32 at least, rounded back to `x`'s dtype
+    (as a 16-bit ring all-reduce rounds each partial sum), and sends that on; after N - 1
+    shifts the partial sum that reaches device i has passed every device and is row i's.
+    Each device sends (N - 1) / N of `x`, like a reduce-scatter, and no pair sends to each
+    other for N > 2, so gloo runs every shift at full speed (at N = 2 the shift is a
+    swap: `reduce_scatter_pairwise` is the full-speed one there). The partial sums travel
+    as their bits (unsigned integers): XLA:CPU would send a bfloat16 permute as float32.
+    Row i is summed in the order i + 1, i + 2, ..., i (mod N), on one device: the result
+    is deterministic.
+    """
+    n = axis_size(axis_name)
+    if x.shape[0] != n:
+        raise ValueError(f"reduce_scatter_ring: {x.shape[0]} rows over {n} devices")
+    wide = compute_dtype(x.dtype)
+    i = lax.axis_index(axis_name)
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    held = lax.dynamic_index_in_dim(x, (i - 1) % n, keepdims=False)
+    bits = _unsigned(x.dtype)  # XLA:CPU would widen a bfloat16 permute to float32
+    for shift in range(2, n + 1):  # the row whose partial sum arrives: i - shift (mod N)
+        sent = lax.bitcast_convert_type(held, bits)
+        received = lax.bitcast_convert_type(ppermute(sent, axis_name, ring), x.dtype)
+        own = lax.dynamic_index_in_dim(x, (i - shift) % n, keepdims=False)
+        held = (received.astype(wide) + own.astype(wide)).astype(x.dtype)
+    return held
 
 
 # A no-op that types a value as invariant over mesh axes: what `psum` does to its result,

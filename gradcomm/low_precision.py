@@ -2,7 +2,7 @@
 
 PyTorch DDP's `fp16_compress_hook` and `bf16_compress_hook`: each device's update is
 rounded to float16 or bfloat16 for the exchange, which halves the bytes of a float32
-all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move it (a third, below):
+all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move it:
 
 * **bits** (bfloat16 off GPU). XLA:CPU runs a bfloat16 all-reduce, reduce-scatter,
   all-gather or all-to-all as a float32 one (its optimized HLO converts the operand to
@@ -22,16 +22,26 @@ all-reduce, and the mean comes back in each leaf's own dtype. Two ways to move i
   cannot overflow where the mean fits. The GPU branch is chosen at trace time from the
   mesh's platform; it is this same code with bfloat16, and is not tested here (no GPU).
 
-`exchange` picks between them: "bits" or "psum" for either format, "pairwise" (over size-2
-mesh axes, `gradcomm.parallel.pairwise_axes`: the psum's scaled 16-bit values, summed by
-recursive halving in two-member reduce-scatters, each sum of two in float32 rounded to
-16 bits, and gathered by recursive doubling), or "auto". Over gloo (XLA:CPU in several
-processes) a float16 all-reduce is slow to add (50 ms for 4.2M values between two
-processes against 25 ms in float32 and 16 ms in uint16, one compute thread each;
-docs/bench/peer/patterns.md), and an all-to-all's swaps run at half the link's speed; the
-pairwise scheme pays neither. So "auto" is "pairwise" for both formats on CPU
-devices in several processes over size-2 axes (as `gradcomm._axes.use_pairwise` decides
-for Adasum and SGP), and otherwise the above: bits for bfloat16 off GPU, else the psum.
+`exchange` picks one of them ("bits" or "psum", for either format), one of two schemes
+for gloo, or "auto". Both gloo schemes move the psum's scaled 16-bit values as bits and round each
+partial sum (two values added in float32) to 16 bits, as a 16-bit ring all-reduce does:
+
+* **ring**: a reduce-scatter around a one-way ring, N - 1 `ppermute` shifts
+  (`gradcomm._collectives.reduce_scatter_ring`), then one `all_gather`; any N.
+* **pairwise** (over size-2 mesh axes, `gradcomm.parallel.pairwise_axes`): recursive
+  halving in two-member reduce-scatters, then a gather by recursive doubling.
+
+Over gloo (XLA:CPU in several processes) a float16 all-reduce is slow to add (50 ms for
+4.2M values between two processes against 25 ms in float32 and 16 ms in uint16, one
+compute thread each; docs/bench/peer/patterns.md), and a `ppermute` in which two processes
+send to each other, like an all-to-all's swaps, runs at half the link's speed. The ring
+has no such swap for N > 2; at N = 2 its one shift is a swap, which the pairwise scheme
+runs as a two-member reduce-scatter at full speed. So "auto" on CPU devices in several
+processes is "pairwise" at N = 2 and "ring" above it, and elsewhere the above: bits for
+bfloat16 off GPU, else the psum. Over 100 Mbit links (a 4.2M-parameter MLP, float16),
+the ring's step took 0.51x the float32 all-reduce's at N = 4, against the pairwise
+scheme's 0.56x and the psum's 0.53x; at N = 8, 0.56x against 0.77x and 0.70x
+(docs/bench/peer/network.md, docs/bench/low_precision/network.md).
 
 Overflow cannot raise under `jit`, so it is reported in the state: a step overflowed when
 the mean is not finite although every device's inputs were (float16's largest value is
@@ -58,8 +68,8 @@ from jax import lax
 from gradcomm import _axes, _checks, _collectives, _flat, _packing
 
 DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-Exchange = Literal["auto", "bits", "pairwise", "psum"]
-EXCHANGES: tuple[str, ...] = ("auto", "bits", "pairwise", "psum")
+Exchange = Literal["auto", "bits", "pairwise", "psum", "ring"]
+EXCHANGES: tuple[str, ...] = ("auto", "bits", "pairwise", "psum", "ring")
 
 
 class LowPrecisionState(NamedTuple):
@@ -96,7 +106,9 @@ def low_precision(
 
     The mean of the module docstring: bfloat16 values as bits through an `all_to_all` and
     an `all_gather` (half the bytes of a float32 all-reduce on every backend), float16
-    values through a `lax.psum` in float16 after dividing by N. The result is in each
+    values through a `lax.psum` in float16 after dividing by N, and on CPU devices in
+    several processes (gloo) either format divided by N and summed around a one-way ring
+    (or, at N = 2, in a two-member reduce-scatter), then gathered. The result is in each
     leaf's own dtype and is the same bits on every device; it is the mean rounded to
     `dtype` (so on one device, the update rounded to `dtype`). Like `gradcomm.allreduce`,
     place it before the optimizer to average gradients, or after it to average updates;
@@ -108,12 +120,14 @@ def low_precision(
         or `jnp.float16` (11 significant bits, largest value 65504).
       exchange: "bits" (an `all_to_all` of the 16-bit patterns, float32 sums in device
         order, an `all_gather`; with float16, each device's values must fit float16),
-        "pairwise" (over size-2 axes, divided by N and rounded as in the psum, summed
-        by recursive halving in two-member reduce-scatters, gathered by doubling: a
-        ring's bytes at full speed on gloo), "psum" (one `lax.psum` in `dtype` of
-        the values divided by N; XLA:CPU runs a bfloat16 one in float32, which saves no
-        bytes) or "auto" ("pairwise" on gloo over size-2 axes, else bits for bfloat16
-        off GPU and the psum otherwise).
+        "psum" (one `lax.psum` in `dtype` of the values divided by N; XLA:CPU runs a
+        bfloat16 one in float32, which saves no bytes), "ring" (the values divided by
+        N and rounded as in the psum, summed around a one-way ring of `ppermute`s, each
+        partial sum rounded to `dtype`, then gathered: a ring all-reduce's bytes),
+        "pairwise" (over size-2 axes, the same values summed by recursive halving in
+        two-member reduce-scatters and gathered by doubling) or "auto" (on CPU devices
+        in several processes, where gloo carries the collectives: "pairwise" at N = 2,
+        "ring" above; elsewhere bits for bfloat16 off GPU and the psum otherwise).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`
@@ -170,16 +184,11 @@ def low_precision(
             return updates, LowPrecisionState(jnp.array(False), state.overflow_count)
         xs = [jnp.asarray(leaves[i]) for i in live]
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
-        how = exchange
-        if how in ("auto", "pairwise"):
-            how = "pairwise" if _axes.use_pairwise(axis_name, how, "low_precision") else "auto"
-        if how == "auto":
-            native = wire == np.dtype(jnp.float16) or _axes._platform() == "gpu"
-            how = "psum" if native else "bits"
+        how = _resolve(exchange, axis_name, n, wire)
         if how == "psum":
             means, overflow = _psum_mean(xs, finite, axis_name, n, wire)
         else:
-            means, overflow = _bits_mean(xs, finite, axis_name, n, wire, how == "pairwise")
+            means, overflow = _bits_mean(xs, finite, axis_name, n, wire, how)
         out = list(leaves)
         for i, x, m in zip(live, xs, means, strict=True):
             out[i] = m.reshape(x.shape).astype(x.dtype)
@@ -189,6 +198,20 @@ def low_precision(
         return jax.tree.unflatten(treedef, out), LowPrecisionState(overflow, count)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _resolve(
+    exchange: Exchange, axis_name: _axes.AxisName, n: int, wire: np.dtype
+) -> Literal["bits", "pairwise", "psum", "ring"]:
+    """The exchange "auto" stands for here (at trace time); "pairwise" checks its axes."""
+    if exchange == "pairwise":
+        _axes.use_pairwise(axis_name, exchange, "low_precision")  # raises unless size-2
+    if exchange != "auto":
+        return exchange
+    if _axes.on_gloo(axis_name):
+        return "pairwise" if n == 2 else "ring"
+    native = wire == np.dtype(jnp.float16) or _axes._platform() == "gpu"
+    return "psum" if native else "bits"
 
 
 def _psum_mean(
@@ -214,28 +237,34 @@ def _bits_mean(
     axis_name: _axes.AxisName,
     n: int,
     wire: np.dtype,
-    pairwise: bool = False,
+    how: Literal["bits", "pairwise", "ring"],
 ) -> tuple[list[jax.Array], jax.Array]:
-    """The mean of 16-bit values moved as bits: `all_to_all`, float32 sums, `all_gather`.
+    """The mean of 16-bit values moved as bits: a reduce-scatter, then a gather.
 
-    With `pairwise`, over size-2 axes: each value divided by n and rounded to `wire` (as
-    in the psum), summed by recursive halving in two-member reduce-scatters (each level's
-    sum of two in float32, rounded to `wire`: `_collectives.reduce_scatter_pairwise`),
-    then gathered by recursive doubling; (N - 1) / N of the buffer each way, as a ring.
-    Returns the flat means of the leaves (in `wire`) and the overflow flag.
+    "bits": an `all_to_all`, float32 sums in device order divided by n, an `all_gather`.
+    "ring" and "pairwise": each value divided by n and rounded to `wire` (as in the
+    psum), summed by `_collectives.reduce_scatter_ring` and an `all_gather`, or by
+    `_collectives.reduce_scatter_pairwise` (over size-2 axes) and a gather by recursive
+    doubling; each sum of two in float32, rounded to `wire`. (N - 1) / N of the buffer
+    each way in all three. Returns the flat means of the leaves (in `wire`) and the
+    overflow flag.
     """
     sizes = [x.size for x in xs]
     total = sum(sizes)
     chunk = -(-total // n)
-    if pairwise:
+    if how != "bits":
         xs = [x.astype(_axes.compute_dtype(x.dtype)) / n for x in xs]
     parts = [lax.bitcast_convert_type(jnp.ravel(x).astype(wire), jnp.uint16) for x in xs]
     if n * chunk > total:
         parts.append(jnp.zeros(n * chunk - total, jnp.uint16))
     flat = _axes.vary(_packing.concatenate(parts), axis_name)
-    if pairwise:
+    if how != "bits":
         values = lax.bitcast_convert_type(flat.reshape(n, chunk), wire)
-        mean = _collectives.reduce_scatter_pairwise(values, axis_name)
+        reduce = {
+            "pairwise": _collectives.reduce_scatter_pairwise,
+            "ring": _collectives.reduce_scatter_ring,
+        }[how]
+        mean = reduce(values, axis_name)
     else:
         mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)
         received = lax.bitcast_convert_type(mine, wire).astype(jnp.float32)
@@ -249,7 +278,9 @@ def _bits_mean(
     word = _packing.concatenate(
         [lax.bitcast_convert_type(mean, jnp.uint16), flag.astype(jnp.uint16)[None]]
     )
-    gather = _collectives.all_gather_pairwise if pairwise else _collectives.all_gather_invariant
+    gather = (
+        _collectives.all_gather_pairwise if how == "pairwise" else _collectives.all_gather_invariant
+    )
     gathered = gather(word, axis_name)  # (n, chunk + 1)
     flags = gathered[:, chunk]
     overflow = jnp.any(flags & _CHUNK_NONFINITE != 0) & jnp.all(flags & _INPUTS_NONFINITE == 0)

@@ -38,6 +38,17 @@ def _f16(tree):
 RUN = {BF16: _bf16, F16: _f16}
 
 
+def _ring(dtype):
+    def run(tree):
+        tx = low_precision("data", dtype, exchange="ring")
+        return tx.update(tree, tx.init(tree))
+
+    return run
+
+
+RING = {BF16: _ring(BF16), F16: _ring(F16)}
+
+
 def _both(tree):  # one compilation for both formats
     return {BF16.name: _bf16(tree), F16.name: _f16(tree)}
 
@@ -72,6 +83,16 @@ def tolerance(rows, n, dtype):
         bound = (n + 1) * u * mean_abs + n * 2.0**-24
     leaf_u = float(jnp.finfo(rows.dtype).eps) / 2
     return bound + leaf_u * (np.abs(reference_mean(rows)) + bound)
+
+
+def rounded_sums_bound(x, n, dtype):
+    """|mean - reference| for the gloo schemes (ring, pairwise), whose every partial sum is
+    rounded to `dtype`: x_i / n rounded (u), at most n - 1 roundings of partial sums of
+    at most sum|x_i| / n, (n + 1) u mean|x|, plus half a float16 subnormal spacing per
+    rounding; then one rounding to the leaf's dtype."""
+    u = UNIT_ROUNDOFF[dtype]
+    bound = (n + 1) * u * np.abs(x.astype(np.float64)).mean(0) + n * 2.0**-24
+    return bound + float(jnp.finfo(x.dtype).eps) / 2 * (np.abs(reference_mean(x)) + bound)
 
 
 def bf16_scheme(rows):
@@ -142,11 +163,13 @@ def test_exchange_picks_the_collectives():
         (jnp.float16, "auto", ["all-reduce"]),
         (jnp.bfloat16, "auto", ["all-gather", "all-to-all"]),
         (jnp.bfloat16, "psum", ["all-reduce"]),
+        (jnp.float16, "ring", ["all-gather", "collective-permute"]),
+        (jnp.bfloat16, "ring", ["all-gather", "collective-permute"]),
     ]:
         report = _wire(_with_state(low_precision("data", dtype, exchange)), n, shapes)
         assert sorted(report.by_kind()) == kinds, (dtype, exchange)
     with pytest.raises(ValueError, match="exchange must be one of"):
-        low_precision("data", jnp.float16, exchange="ring")
+        low_precision("data", jnp.float16, exchange="tree")
 
 
 def _with_state(tx):
@@ -192,9 +215,9 @@ def test_wire_is_half_of_allreduce(shapes):
     assert f16.total == pytest.approx(half + 2 * (n - 1) / n * 2)  # plus the flag element
 
 
-def _steps(dtype, *steps):
+def _steps(dtype, *steps, exchange="auto"):
     """Runs the updates `steps` (each one row per device) in turn under a named vmap."""
-    tx = low_precision("data", dtype)
+    tx = low_precision("data", dtype, exchange)
 
     def run(*gs):
         state = tx.init(gs[0])
@@ -207,27 +230,29 @@ def _steps(dtype, *steps):
     return jax.jit(jax.vmap(run, axis_name="data"))(*(jnp.asarray(s, jnp.float32) for s in steps))
 
 
-def test_float16_overflow_is_flagged():
+@pytest.mark.parametrize("exchange", ["auto", "ring"])
+def test_float16_overflow_is_flagged(exchange):
     # 6e4 on 2 devices: divided by 2 first, the sum 3e4 + 3e4 fits (float16 max 65504).
-    (out,), state = _steps(jnp.float16, [[6e4], [6e4]])
+    (out,), state = _steps(jnp.float16, [[6e4], [6e4]], exchange=exchange)
     np.testing.assert_array_equal(out, [[6e4], [6e4]])
     assert not state.overflow.any()
     # 7e4 on 2 devices: the mean itself does not fit; 2e5 and -2e5: x / 2 does not fit
     # (the mean, 0, would); then a step that fits clears the flag and keeps the count.
     (big, cancel, small), state = _steps(
-        jnp.float16, [[7e4], [7e4]], [[2e5], [-2e5]], [[1.0], [3.0]]
+        jnp.float16, [[7e4], [7e4]], [[2e5], [-2e5]], [[1.0], [3.0]], exchange=exchange
     )
     assert np.isposinf(big).all() and np.isnan(cancel).all()
     np.testing.assert_array_equal(small, [[2.0], [2.0]])
     assert not state.overflow.any() and (state.overflow_count == 2).all()
-    (out,), state = _steps(jnp.float16, [[7e4], [7e4]])
+    (out,), state = _steps(jnp.float16, [[7e4], [7e4]], exchange=exchange)
     assert state.overflow.all() and (state.overflow_count == 1).all()
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
-def test_non_finite_inputs_are_not_overflow(dtype, bad):
-    (out,), state = _steps(dtype, [[bad, 1.0], [1.0, 1.0]])
+@pytest.mark.parametrize("exchange", ["auto", "ring"])
+def test_non_finite_inputs_are_not_overflow(dtype, bad, exchange):
+    (out,), state = _steps(dtype, [[bad, 1.0], [1.0, 1.0]], exchange=exchange)
     assert not np.isfinite(out[:, 0]).any()
     np.testing.assert_array_equal(out[:, 1], [1.0, 1.0])
     assert not state.overflow.any() and not state.overflow_count.any()
@@ -244,10 +269,14 @@ def test_bfloat16_overflow_is_flagged():
     assert np.isfinite(out).all() and not state.overflow.any()
 
 
+def _all(tree):  # both formats, by the default exchange and by the ring
+    return {**_both(tree), **{f"ring-{d.name}": RING[d](tree) for d in (BF16, F16)}}
+
+
 def test_zero_tiny_and_huge_inputs():
     n = 8
     zeros = {k: np.zeros_like(v) for k, v in _rows(n, 0).items()}
-    for out, state in per_device(_both, n, zeros).values():
+    for out, state in per_device(_all, n, zeros).values():
         for key in zeros:
             np.testing.assert_array_equal(out[key], zeros[key])
         assert not state.overflow.any()
@@ -260,14 +289,16 @@ def test_zero_tiny_and_huge_inputs():
             "tiny": (uniform * tiny).astype(np.float32),
             "huge": (uniform * huge).astype(np.float32),
         }
-        results = per_device(_both, n, rows)
+        results = per_device(_all, n, rows)
         for dtype in (BF16,) if huge == 4e37 else (BF16, F16):
-            out, state = results[dtype.name]
-            for key, x in rows.items():
-                err = np.abs(out[key][0].astype(np.float64) - reference_mean(x))
-                assert (err <= tolerance(x, n, dtype)).all(), (dtype, key, err.max())
-                assert _same_bits(out[key])
-            assert not state.overflow.any()
+            ring = f"ring-{dtype.name}"
+            for name, bound in ((dtype.name, tolerance), (ring, rounded_sums_bound)):
+                out, state = results[name]
+                for key, x in rows.items():
+                    err = np.abs(out[key][0].astype(np.float64) - reference_mean(x))
+                    assert (err <= bound(x, n, dtype)).all(), (name, key, err.max())
+                    assert _same_bits(out[key])
+                assert not state.overflow.any()
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
@@ -283,14 +314,13 @@ def test_float64_inputs(dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-def test_shard_map_pmap_and_vmap_agree(dtype):
+@pytest.mark.parametrize("exchange", ["auto", "ring"])
+def test_shard_map_pmap_and_vmap_agree(dtype, exchange):
     n = 3
     rows = {"w": _rows(n, seed=7)["w"]}
-    expected, _ = per_device(RUN[dtype], n, rows)
-    for mapped in (
-        jax.pmap(RUN[dtype], axis_name="data"),
-        jax.jit(jax.vmap(RUN[dtype], axis_name="data")),
-    ):
+    run = (RUN if exchange == "auto" else RING)[dtype]
+    expected, _ = per_device(run, n, rows)
+    for mapped in (jax.pmap(run, axis_name="data"), jax.jit(jax.vmap(run, axis_name="data"))):
         out, _ = mapped(rows)
         np.testing.assert_array_equal(np.asarray(out["w"]), expected["w"])
 
@@ -377,17 +407,13 @@ def test_pairwise_sums_by_halving_in_reduce_scatters(n):
 
         step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names), P())))
         out, state = step(placed)
-        u = UNIT_ROUNDOFF[dtype]
         for key, x in rows.items():
             got = np.asarray(out[key])
             assert got.dtype == x.dtype and _same_bits(got), (dtype, key)
             model = pairwise_scheme(x.astype(np.float32), dtype).astype(x.dtype)
             np.testing.assert_array_equal(got[0], model)
-            mean_abs = np.abs(x.astype(np.float64)).mean(0)
-            bound = (n + 1) * u * mean_abs + n * 2.0**-24
-            bound = bound + float(jnp.finfo(x.dtype).eps) / 2 * (np.abs(reference_mean(x)) + bound)
             err = np.abs(got[0].astype(np.float64) - reference_mean(x))
-            assert (err <= bound).all(), (dtype, key, err.max())
+            assert (err <= rounded_sums_bound(x, n, dtype)).all(), (dtype, key, err.max())
         assert not np.asarray(state.overflow).any()
         kinds = wire.measure(step, placed).by_kind()
         assert set(kinds) == {"reduce-scatter"}, kinds
@@ -398,6 +424,71 @@ def test_pairwise_sums_by_halving_in_reduce_scatters(n):
         )(jnp.ones((3, 2)))
 
 
-def _f16_bits(tree):
-    tx = low_precision("data", jnp.float16, exchange="bits")
-    return tx.update(tree, tx.init(tree))
+def ring_scheme(rows, wire):
+    """NumPy model of the ring: the leaves end to end in tree order, each value / n
+    rounded to `wire` (in float32), zero-padded to n chunks; chunk c summed in the order
+    device c + 1, c + 2, ..., c (mod n), each sum of two in float32 rounded to `wire`."""
+    leaves, treedef = jax.tree.flatten(rows)
+    n = len(leaves[0])
+    scaled = [(np.asarray(x, np.float32) / np.float32(n)).astype(wire) for x in leaves]
+    flat = np.concatenate([v.reshape(n, -1) for v in scaled], axis=1)
+    total = flat.shape[1]
+    chunk = -(-total // n)
+    values = np.zeros((n, n * chunk), wire)
+    values[:, :total] = flat
+    values = values.reshape(n, n, chunk)  # (device, chunk, element)
+    sums = []
+    for c in range(n):
+        held = values[(c + 1) % n, c].astype(np.float32)
+        for k in range(2, n + 1):
+            held = (held + values[(c + k) % n, c]).astype(wire).astype(np.float32)
+        sums.append(held.astype(wire))
+    mean = np.concatenate(sums)[:total]
+    ends = np.cumsum([v[0].size for v in scaled])[:-1]
+    return jax.tree.unflatten(
+        treedef, [m.reshape(v.shape[1:]) for m, v in zip(np.split(mean, ends), scaled, strict=True)]
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_ring_sums_around_a_one_way_ring(n):
+    """`exchange="ring"`, for both formats and any n: exactly the ring's partial sums of
+    the scaled 16-bit values, within (n + 1) u mean|x| of the float64 mean, the same bits
+    on every device, through n - 1 one-way permutes and one all-gather that send
+    (n - 1) / n of the 16-bit buffer each (plus the flag word)."""
+    rows = _rows(n, seed=30 + n)
+    for dtype in (BF16, F16):
+        out, state = per_device(RING[dtype], n, rows)
+        model = ring_scheme(rows, dtype)
+        for key, x in rows.items():
+            got = out[key]
+            assert got.dtype == x.dtype and _same_bits(got), (dtype, key)
+            np.testing.assert_array_equal(got[0], model[key].astype(x.dtype))
+            err = np.abs(got[0].astype(np.float64) - reference_mean(x))
+            assert (err <= rounded_sums_bound(x, n, dtype)).all(), (dtype, key, err.max())
+        assert not state.overflow.any()
+    shapes = list(SHAPES.values())
+    padded = -(-sum(int(np.prod(s)) for s in shapes) // n) * n
+    for dtype in (BF16, F16) if n > 1 else ():  # XLA:CPU widens a bfloat16 permute
+        report = _wire(_with_state(low_precision("data", dtype, "ring")), n, shapes)
+        kinds = [c.kind for c in report.collectives for _ in range(c.count)]
+        assert sorted(kinds) == ["all-gather"] + ["collective-permute"] * (n - 1)
+        assert report.total == pytest.approx(2 * (n - 1) / n * 2 * padded + 2 * (n - 1))
+
+
+def test_auto_on_gloo_is_pairwise_at_two_and_the_ring_above(monkeypatch):
+    """On CPU devices in several processes (gloo), "auto" is the pairwise scheme at N = 2
+    and the ring above, for both formats and on a flat axis; in one process, the psum
+    (float16) and the bits (bfloat16)."""
+    shapes = [(10, 6), (10,)]
+    expected = {2: ["reduce-scatter"], 4: ["all-gather", "collective-permute"]}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for n, kinds in expected.items():
+        for dtype in (jnp.float16, jnp.bfloat16):
+            report = _wire(_with_state(low_precision("data", dtype)), n, shapes)
+            assert sorted(report.by_kind()) == kinds, (n, dtype)
+    # Under a named vmap there is no link: the one-process choice.
+    tx = low_precision("data", jnp.float16)
+    fn = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")
+    text = str(jax.make_jaxpr(fn)(jnp.ones((4, 3))))
+    assert "psum" in text and "ppermute" not in text

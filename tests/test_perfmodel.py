@@ -232,6 +232,7 @@ SHAPES = [(64, 48), (48,), (48, 12), (12,), (3, 3, 4, 8)]  # 3996 parameters, N 
         ("powersgd", {"rank": 1, "min_compression_rate": 1.0}, 0.0),
         ("low_precision", {"dtype": "bfloat16"}, 2 * 3),  # + its flag word from each peer
         ("low_precision", {"dtype": "float16", "exchange": "bits"}, 2 * 3),
+        ("low_precision", {"dtype": "float16", "exchange": "ring"}, 2 * 3),
         # The state is dropped here, and with it the psum's element that counts overflows.
         ("low_precision", {"dtype": "float16"}, 0.0),
         ("allreduce", {"dtype": "float16"}, 0.0),
@@ -269,13 +270,18 @@ def test_new_methods_bytes_are_the_compiled_programs(method, options, extra):
         nccl = pm.predict(method, params, n, 1.0, options=options, backend=pm.NCCL)
         assert gloo.wire_bytes == pytest.approx(nccl.wire_bytes)
         assert [c.kind for c in model] == ["alltoall", "allgather"]
-    # Over size-2 axes on gloo, "auto" is the pairwise form: swaps of a half and a quarter
-    # (recursive halving), a doubling gather: a ring's bytes.
+    if options.get("exchange") == "ring":  # three one-way shifts of a quarter, a gather
+        assert [c.kind for c in model] == ["permute"] * 3 + ["allgather"]
+    # On gloo, "auto" is the ring (N = 4) or the pairwise form (N = 2: a swap of a half
+    # and a doubling gather); either with a ring's bytes.
     if method == "low_precision" and "exchange" not in options:
-        kinds = [c.kind for c in pm.pattern(method, params, n, options=options, pairwise=True)]
-        assert kinds == ["swap", "swap", "doubling_gather"]
-        paired = pm.predict(method, params, n, 1.0, options=options, backend=pm.GLOO_PAIRWISE)
-        assert paired.wire_bytes == pytest.approx((2 * 3 / 4 + 3 / 4 * 2) * params)
+        kinds = [c.kind for c in pm.pattern(method, params, n, options=options, gloo=True)]
+        assert kinds == ["permute"] * 3 + ["allgather"]
+        kinds = [c.kind for c in pm.pattern(method, params, 2, options=options, gloo=True)]
+        assert kinds == ["swap", "doubling_gather"]
+        for backend in (pm.GLOO, pm.GLOO_PAIRWISE):
+            ring = pm.predict(method, params, n, 1.0, options=options, backend=backend)
+            assert ring.wire_bytes == pytest.approx(2 * 2 * 3 / 4 * params)
 
 
 def test_overlap():

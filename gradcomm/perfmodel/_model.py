@@ -13,8 +13,9 @@ gossip phases): parameter averaging (`local_sgd`, DiLoCo's outer step, or a `syn
 `periodic_average` beside a transformation) is an all-reduce of the params every k steps.
 PowerSGD is two all-reduces, of the P factors (with the leaves it sends dense) and of the
 Q factors; a 16-bit all-reduce (`low_precision`) is one all-reduce of 2 bytes per
-parameter, or an all-to-all and an all-gather of them (its bits exchange), or swaps of a
-half, a quarter, ... and a doubling gather (its pairwise exchange). `factor` is the
+parameter, or an all-to-all and an all-gather of them (its bits exchange), or n - 1
+permutes of 1/n and an all-gather (its ring), or swaps of a half, a quarter, ... and a
+doubling gather (its pairwise exchange). `factor` is the
 backend's time against that ideal: 1 on NCCL; on gloo it is measured per pattern, and a
 swap (two processes sending to each other) runs at half speed.
 `window` is the backward pass (`BACKWARD` of the compute) for methods whose exchange can
@@ -123,6 +124,8 @@ class Backend:
       native_bf16: whether its all-reduce adds bfloat16 as bfloat16 (NCCL). Where it does
         not (XLA:CPU over gloo), `low_precision` moves bfloat16 as bits: an all-to-all
         and an all-gather.
+      gloo: whether it is XLA:CPU's gloo across processes, where `low_precision`'s "auto"
+        exchange is its pairwise scheme at N = 2 and its ring above.
     """
 
     name: str
@@ -131,6 +134,7 @@ class Backend:
     swaps: Literal["permute", "pairwise"] = "permute"
     overlap: float = 1.0
     native_bf16: bool = True
+    gloo: bool = False
 
     def factor(self, kind: str, n: int) -> float:
         """The time factor of one collective of `kind` over `n` members."""
@@ -151,7 +155,7 @@ def _gloo() -> Backend:
     one_way = 8 * 2**24 / 95.8e6  # 16 MiB at 95.8 Mbit/s, in seconds
     factors = {(k, n): t / (_sent(k, n) * one_way) for (k, n), t in GLOO_MEASURED.items()}
     swap = factors.pop(("swap", 2))
-    return Backend("gloo", factors, swap_factor=swap, overlap=0.0, native_bf16=False)
+    return Backend("gloo", factors, swap_factor=swap, overlap=0.0, native_bf16=False, gloo=True)
 
 
 GLOO = _gloo()
@@ -203,10 +207,15 @@ def _sixteen_bit(
     params: int,
     native_bf16: bool,
     exchange: str = "auto",
-    pairwise: bool = False,
+    gloo: bool = False,
 ) -> list[Collective]:
     """`low_precision`'s exchange: 2 bytes per parameter, as it moves them."""
-    if exchange == "pairwise" or (exchange == "auto" and pairwise):  # size-2 reduce-scatters
+    if exchange == "auto" and gloo:
+        exchange = "pairwise" if n == 2 else "ring"
+    if exchange == "ring":  # n - 1 one-way shifts of 1/n (a swap at n = 2), an all-gather
+        shift = Collective("swap" if n == 2 else "permute", n, 2.0 * params / n)
+        return [*[shift] * (n - 1), Collective("allgather", n, 2.0 * params)]
+    if exchange == "pairwise":  # size-2 reduce-scatters
         levels = max(n.bit_length() - 1, 1)  # recursive halving: half, a quarter, ...
         swaps = [Collective("swap", 2, 2.0 * params / 2 ** (b + 1)) for b in range(levels)]
         return [*swaps, Collective("doubling_gather", n, 2.0 * params)]
@@ -247,7 +256,7 @@ def pattern(
     itemsize: int = 4,
     amortize: bool = True,
     native_bf16: bool = False,
-    pairwise: bool = False,
+    gloo: bool = False,
 ) -> list[Collective]:
     """The collectives of one step of a gradcomm method across `nodes` hosts.
 
@@ -268,8 +277,8 @@ def pattern(
       itemsize: bytes per parameter.
       amortize: count periodic averaging at 1/k per step; False leaves it out.
       native_bf16: whether the backend adds bfloat16 natively (`Backend.native_bf16`).
-      pairwise: whether swaps run as two-member reduce-scatters (`Backend.swaps`), where
-        `low_precision`'s "auto" exchange is "pairwise".
+      gloo: whether the backend is gloo (`Backend.gloo`), where `low_precision`'s "auto"
+        exchange is "pairwise" at N = 2 and "ring" above.
 
     Returns:
       A list of `Collective`s; time-varying gossip is averaged over its phases.
@@ -307,7 +316,7 @@ def pattern(
         else:
             exchange = o.get("exchange", "auto")
             name = np.dtype(dtype).name  # "bfloat16" for jnp.bfloat16 too
-            out += _sixteen_bit(name, n, params, native_bf16, exchange, pairwise)
+            out += _sixteen_bit(name, n, params, native_bf16, exchange, gloo)
     elif method == "powersgd":
         out += _low_rank(o, n, params, itemsize)
     elif method == "adasum":  # fold to P = 2^m, m halving swaps (+ dot products), all-gather
@@ -399,8 +408,7 @@ def predict(
     """
     colls = pattern(
         method, params, nodes, options=options, sync=sync, itemsize=itemsize,
-        amortize=amortize, native_bf16=backend.native_bf16,
-        pairwise=backend.swaps == "pairwise",
+        amortize=amortize, native_bf16=backend.native_bf16, gloo=backend.gloo,
     )  # fmt: skip
     if (options or {}).get("exchange") in ("permute", "pairwise"):
         backend = dataclasses.replace(backend, swaps=options["exchange"])
