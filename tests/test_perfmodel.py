@@ -272,16 +272,21 @@ def test_new_methods_bytes_are_the_compiled_programs(method, options, extra):
         assert [c.kind for c in model] == ["alltoall", "allgather"]
     if options.get("exchange") == "ring":  # three one-way shifts of a quarter, a gather
         assert [c.kind for c in model] == ["permute"] * 3 + ["allgather"]
-    # On gloo, "auto" is the ring (N = 4) or the pairwise form (N = 2: a swap of a half
-    # and a doubling gather); either with a ring's bytes.
+    # On gloo, "auto" is the ring (N = 4) or the pairwise form (N = 2: a two-member
+    # reduce-scatter each way, on any backend); either with a ring's bytes.
     if method == "low_precision" and "exchange" not in options:
         kinds = [c.kind for c in pm.pattern(method, params, n, options=options, gloo=True)]
         assert kinds == ["permute"] * 3 + ["allgather"]
         kinds = [c.kind for c in pm.pattern(method, params, 2, options=options, gloo=True)]
-        assert kinds == ["swap", "doubling_gather"]
+        assert kinds == ["reduce_scatter", "reduce_scatter"]
         for backend in (pm.GLOO, pm.GLOO_PAIRWISE):
             ring = pm.predict(method, params, n, 1.0, options=options, backend=backend)
             assert ring.wire_bytes == pytest.approx(2 * 2 * 3 / 4 * params)
+            pair = pm.predict(method, params, 2, 1.0, options=options, backend=backend)
+            assert pair.wire_bytes == pytest.approx(2 * params)  # half of 2 bytes, each way
+        assert pair.comm_s == pytest.approx(  # at gloo's two-member reduce-scatter speed
+            2 * backend.factor("reduce_scatter", 2) * 8 * params / 1e9
+        )
 
 
 def test_overlap():

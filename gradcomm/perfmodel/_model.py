@@ -14,8 +14,8 @@ gossip phases): parameter averaging (`local_sgd`, DiLoCo's outer step, or a `syn
 PowerSGD is two all-reduces, of the P factors (with the leaves it sends dense) and of the
 Q factors; a 16-bit all-reduce (`low_precision`) is one all-reduce of 2 bytes per
 parameter, or an all-to-all and an all-gather of them (its bits exchange), or n - 1
-permutes of 1/n and an all-gather (its ring), or swaps of a half, a quarter, ... and a
-doubling gather (its pairwise exchange). `factor` is the
+permutes of 1/n and an all-gather (its ring), or two-member reduce-scatters of a half, a
+quarter, ... and back up (its pairwise exchange). `factor` is the
 backend's time against that ideal: 1 on NCCL; on gloo it is measured per pattern, and a
 swap (two processes sending to each other) runs at half speed.
 `window` is the backward pass (`BACKWARD` of the compute) for methods whose exchange can
@@ -215,10 +215,11 @@ def _sixteen_bit(
     if exchange == "ring":  # n - 1 one-way shifts of 1/n (a swap at n = 2), an all-gather
         shift = Collective("swap" if n == 2 else "permute", n, 2.0 * params / n)
         return [*[shift] * (n - 1), Collective("allgather", n, 2.0 * params)]
-    if exchange == "pairwise":  # size-2 reduce-scatters
+    if exchange == "pairwise":  # two-member reduce-scatters on every backend
         levels = max(n.bit_length() - 1, 1)  # recursive halving: half, a quarter, ...
-        swaps = [Collective("swap", 2, 2.0 * params / 2 ** (b + 1)) for b in range(levels)]
-        return [*swaps, Collective("doubling_gather", n, 2.0 * params)]
+        sent = [params / 2**b for b in range(levels)]  # bytes: 2 params / 2^(b + 1)
+        sent += [2.0 * params * 2**b / n for b in range(levels)]  # the doubling gather
+        return [Collective("reduce_scatter", 2, 2 * s) for s in sent]  # sends half of 2 s
     bits = exchange == "bits" or (exchange == "auto" and dtype == "bfloat16" and not native_bf16)
     if bits:  # a reduce-scatter by hand (all-to-all), float32 sums, a gather
         return [Collective("alltoall", n, 2.0 * params), Collective("allgather", n, 2.0 * params)]
