@@ -2,7 +2,8 @@
 
 Held against a float64 NumPy mean within the 16-bit formats' rounding, on 1 to 8
 simulated devices; bfloat16 also bit for bit against a NumPy model of its scheme (float32
-sums, in device order, of the bfloat16 values). The wire is read from compiled programs.
+sums, in device order, of the bfloat16 values), and the ring and pairwise exchanges
+against NumPy models of theirs. The wire is read from compiled programs.
 """
 
 import jax
@@ -478,8 +479,8 @@ def test_ring_sums_around_a_one_way_ring(n):
 
 def test_auto_on_gloo_is_pairwise_at_two_and_the_ring_above(monkeypatch):
     """On CPU devices in several processes (gloo), "auto" is the pairwise scheme at N = 2
-    and the ring above, for both formats and on a flat axis; in one process, the psum
-    (float16) and the bits (bfloat16)."""
+    and the ring above, for both formats and on a flat axis; under a named vmap (no
+    link), the one-process choice."""
     shapes = [(10, 6), (10,)]
     expected = {2: ["reduce-scatter"], 4: ["all-gather", "collective-permute"]}
     monkeypatch.setattr(jax, "process_count", lambda: 2)
