@@ -260,10 +260,8 @@ def _bits_mean(
     flat = _axes.vary(_packing.concatenate(parts), axis_name)
     if how != "bits":
         values = lax.bitcast_convert_type(flat.reshape(n, chunk), wire)
-        reduce = {
-            "pairwise": _collectives.reduce_scatter_pairwise,
-            "ring": _collectives.reduce_scatter_ring,
-        }[how]
+        ring = how == "ring"
+        reduce = _collectives.reduce_scatter_ring if ring else _collectives.reduce_scatter_pairwise
         mean = reduce(values, axis_name)
     else:
         mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True).reshape(n, chunk)

@@ -214,12 +214,12 @@ def _sixteen_bit(
         exchange = "pairwise" if n == 2 else "ring"
     if exchange == "ring":  # n - 1 one-way shifts of 1/n (a swap at n = 2), an all-gather
         shift = Collective("swap" if n == 2 else "permute", n, 2.0 * params / n)
-        return [*[shift] * (n - 1), Collective("allgather", n, 2.0 * params)]
+        return [shift] * (n - 1) + [Collective("allgather", n, 2.0 * params)]
     if exchange == "pairwise":  # two-member reduce-scatters on every backend
         levels = max(n.bit_length() - 1, 1)  # recursive halving: half, a quarter, ...
         sent = [params / 2**b for b in range(levels)]  # bytes: 2 params / 2^(b + 1)
         sent += [2.0 * params * 2**b / n for b in range(levels)]  # the doubling gather
-        return [Collective("reduce_scatter", 2, 2 * s) for s in sent]  # sends half of 2 s
+        return [Collective("reduce_scatter", 2, 2 * s) for s in sent]  # 2 members: s of 2 s
     bits = exchange == "bits" or (exchange == "auto" and dtype == "bfloat16" and not native_bf16)
     if bits:  # a reduce-scatter by hand (all-to-all), float32 sums, a gather
         return [Collective("alltoall", n, 2.0 * params), Collective("allgather", n, 2.0 * params)]
