@@ -125,6 +125,7 @@ def pair(
     own_is_b: jax.Array | bool = False,
     group: Callable[[jax.Array], jax.Array] | None = None,
     halves: bool = False,
+    shards: tuple[str, ...] = (),
 ) -> Any:
     """AS(a, b) leaf by leaf (eq. 8), where a group of devices may each hold a slice.
 
@@ -138,11 +139,16 @@ def pair(
         device's stats to those of every device that holds a slice of the pair, in
         device order, `(members, 5, leaves)` (`gradcomm._adasum_rvhdd.group_stats`).
       halves: return the result's first and second halves of rows as two arrays.
+      shards: mesh axes over which the leaves are split (tensor parallelism,
+        `gradcomm._shards`): every device of them holds a piece of each leaf, and their
+        stats join the members', so the coefficients are the whole tensors'.
     """
     ct = _axes.compute_dtype(own.dtype)
     stats = local_stats(own, other, layout, ct)
     stats = jnp.where(own_is_b, stats[_SWAP_STATS], stats)
     members = stats[None] if group is None else group(stats)
+    if shards:
+        members = lax.all_gather(members, shards).reshape(-1, *members.shape[1:])
     coef = coefficients(merge_stats(members))
     coef = layout.per_block(jnp.where(own_is_b, coef[_SWAP_COEFFICIENTS], coef).T)
 

@@ -77,6 +77,7 @@ def reduce_buffer(
     index: jax.Array,
     pairwise: bool,
     local_axis: _axes.AxisName | None = None,
+    shards: tuple[str, ...] = (),
 ) -> jax.Array:
     """Adasum across the axis of one fused buffer `x` of `layout` (Algorithm 1).
 
@@ -94,6 +95,8 @@ def reduce_buffer(
     gathered over the local devices too, and an all-gather within the node reassembles
     the result. So each of a node's L devices sends 1/L of the Adasum traffic across
     nodes.
+
+    `shards` are the mesh axes over which the buffer's leaves are split (`_adasum_pair.pair`).
     """
     n = _axes.axis_size(axis_name)
     in_tree = 1 << (n.bit_length() - 1)
@@ -105,7 +108,9 @@ def reduce_buffer(
     if folded:
         partner = _collectives.ppermute(x, axis_name, [(in_tree + i, i) for i in range(folded)])
         whole = None if local_axis is None else lambda stats: lax.all_gather(stats, local_axis)
-        x = lax.cond(index < folded, lambda: pair(x, partner, layout, group=whole), lambda: x)
+        x = lax.cond(
+            index < folded, lambda: pair(x, partner, layout, group=whole, shards=shards), lambda: x
+        )
     if levels:
         rows = (index % in_tree) ^ jnp.asarray(bit_reversed(levels), index.dtype)
         own, send = (jnp.take(x, r, axis=0, mode="clip") for r in jnp.split(rows, 2))
@@ -120,9 +125,9 @@ def reduce_buffer(
                 received = _collectives.ppermute(send, axis_name, pairs)
         group = group_stats(axis_name, 2 * distance, in_tree, index, pairwise, local_axis)
         if level + 1 < levels:
-            own, send = pair(own, received, layout, own_is_b, group, halves=True)
+            own, send = pair(own, received, layout, own_is_b, group, halves=True, shards=shards)
         else:
-            x = pair(own, received, layout, own_is_b, group)
+            x = pair(own, received, layout, own_is_b, group, shards=shards)
     with jax.named_scope("gather"):
         if pairwise:
             rows = _collectives.all_gather_pairwise(x[0], axis_name)

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gradcomm._axes import varying_axes
+
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
@@ -141,11 +143,16 @@ class FlatLayout:
 
 
 def dtype_groups(leaves: Sequence[jax.Array]) -> list[list[int]]:
-    """Indices of the non-empty leaves, grouped by dtype in first-seen order."""
-    groups: dict[np.dtype, list[int]] = {}
+    """Indices of the non-empty leaves, grouped by dtype in first-seen order.
+
+    Under `shard_map`, leaves of one dtype that vary over different mesh axes (a leaf
+    sharded over a model axis beside one replicated over it) form separate groups: fused
+    together, every leaf would come out typed as varying over both.
+    """
+    groups: dict[tuple[np.dtype, frozenset[str]], list[int]] = {}
     for i, leaf in enumerate(leaves):
         if leaf.size:
-            groups.setdefault(np.dtype(leaf.dtype), []).append(i)
+            groups.setdefault((np.dtype(leaf.dtype), varying_axes(leaf)), []).append(i)
     return list(groups.values())
 
 
@@ -153,7 +160,8 @@ def dtype_groups(leaves: Sequence[jax.Array]) -> list[list[int]]:
 class FlatBuffers:
     """A pytree's leaves fused into one `FlatLayout` buffer per dtype.
 
-    The groups are `dtype_groups`: the non-empty leaves of each dtype, in first-seen order.
+    The groups are `dtype_groups`: the non-empty leaves of each dtype (and, under
+    `shard_map`, each set of mesh axes they vary over), in first-seen order.
     Empty leaves belong to no buffer and unpack as zeros.
 
     Attributes:

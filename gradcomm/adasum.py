@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _adasum_rvhdd, _axes, _checks, _flat, _numeric
+from gradcomm import _adasum_rvhdd, _axes, _checks, _flat, _numeric, _shards
 from gradcomm._adasum_pair import pair
 
 
@@ -109,9 +109,11 @@ def adasum_reduce(
     index = _axes.axis_index(axis_name)
     pairwise = _axes.use_pairwise(axis_name, exchange, "adasum")
     flat = _flat.FlatBuffers.of(tree, rows=in_tree * per_node)
+    leaves = jax.tree.leaves(tree)
+    shards = [_shards.shard_axes(leaves[ids[0]], every_axis, "adasum") for ids in flat.groups]
     results = [
-        _adasum_rvhdd.reduce_buffer(x, layout, axis_name, index, pairwise, local_axis)
-        for x, layout in zip(flat.pack(tree), flat.layouts, strict=True)
+        _adasum_rvhdd.reduce_buffer(x, layout, axis_name, index, pairwise, local_axis, axes)
+        for x, layout, axes in zip(flat.pack(tree), flat.layouts, shards, strict=True)
     ]
     return flat.unpack(results)  # empty leaves are zeros
 

@@ -1,0 +1,128 @@
+"""Every method on a tensor-parallel mesh: leaves sharded over a model axis.
+
+A `('data'=4, 'model'=2)` mesh, `jax.shard_map` over both axes, the method over `'data'`:
+a (64, 48) leaf split over `'model'` by rows, a (40, 32) one by columns, a (6, 10, 4) one
+by its middle dimension, and a (48,) one replicated over `'model'`. Each method must give
+what it gives on the whole tensors over `'data'` alone (a 1-D mesh of 4 devices): the same
+bits where the order of operations allows, else within a relative tolerance of the
+largest entry. With `check_vma=False` the leaves' shard axes cannot be read, and a method
+that needs whole-tensor statistics raises a `ValueError` instead of a per-shard result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradcomm
+
+SPECS = {
+    "rows": P("model", None),
+    "cols": P(None, "model"),
+    "mid": P(None, "model", None),
+    "bias": P(),
+}
+SHAPES = {"rows": (64, 48), "cols": (40, 32), "mid": (6, 10, 4), "bias": (48,)}
+STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    make: Callable[..., optax.GradientTransformationExtraArgs]  # make(specs) -> tx
+    rtol: float = 1e-6
+    whole_tensor: bool = True  # needs whole-tensor statistics (raises without types)
+
+
+CASES = {
+    "allreduce": Case(lambda specs: gradcomm.allreduce("data"), rtol=0, whole_tensor=False),
+    "low_precision": Case(lambda specs: gradcomm.low_precision("data"), rtol=0, whole_tensor=False),
+    "adasum": Case(lambda specs: gradcomm.adasum("data")),
+    "terngrad": Case(lambda specs: gradcomm.terngrad("data", seed=3, specs=specs)),
+    "powersgd": Case(
+        lambda specs: gradcomm.powersgd("data", rank=2, min_compression_rate=1.0, specs=specs),
+        rtol=1e-5,
+    ),
+    "lags": Case(lambda specs: gradcomm.lags("data", density=0.05)),
+    "slgs": Case(lambda specs: gradcomm.slgs("data", density=0.05)),
+    "gradient_dropping": Case(
+        lambda specs: gradcomm.gradient_dropping("data", drop_ratio=0.95, warmup_steps=0)
+    ),
+    "gradient_dropping_local": Case(
+        lambda specs: gradcomm.gradient_dropping(
+            "data", drop_ratio=0.95, warmup_steps=0, local="compensated"
+        )
+    ),
+    "sgp": Case(lambda specs: gradcomm.sgp("data"), rtol=0, whole_tensor=False),
+    "osgp": Case(lambda specs: gradcomm.sgp("data", overlap=1), rtol=0, whole_tensor=False),
+    "dpsgd": Case(lambda specs: gradcomm.dpsgd("data"), rtol=0, whole_tensor=False),
+}
+
+
+@functools.cache
+def _meshes():
+    explicit = (AxisType.Explicit,) * 2
+    two = jax.make_mesh((4, 2), ("data", "model"), axis_types=explicit)
+    one = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=explicit[:1])
+    return one, two
+
+
+def _grads(dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal((STEPS, 4, *s)).astype(dtype) for k, s in SHAPES.items()}
+
+
+def _run(tx, mesh, specs, grads, check_vma=True):
+    """STEPS updates of `tx` per device; outputs stacked (steps, devices, ...)."""
+    in_specs = {k: P(None, "data", *specs[k]) for k in grads}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[:, 0], g)
+        params = jax.tree.map(lambda x: x[0] * 0, g)  # per device, typed like the grads
+        state = tx.init(params)
+        outs = []
+        for t in range(STEPS):
+            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
+            outs.append(out)
+        return jax.tree.map(lambda *xs: jax.numpy.stack(xs)[:, None], *outs)
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs, check_vma=check_vma
+        )
+    )
+    placed = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in grads.items()}
+    return jax.tree.map(np.asarray, f(placed))
+
+
+def _relative(got, want):
+    scale = np.abs(want).max()
+    return float(np.abs(got - want).max() / scale) if scale else float(np.abs(got).max())
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_whole_tensor_semantics_on_a_model_axis(name):
+    case = CASES[name]
+    one, two = _meshes()
+    grads = _grads()
+    want = _run(case.make(None), one, {k: P() for k in SPECS}, grads)
+    got = _run(case.make(SPECS), two, SPECS, grads)
+    for k in SHAPES:
+        assert got[k].shape == want[k].shape
+        assert np.isfinite(got[k]).all()
+        err = _relative(got[k], want[k])
+        assert err <= case.rtol, f"{name} on leaf {k!r}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.whole_tensor])
+def test_unchecked_types_raise_instead_of_a_per_shard_result(name):
+    _, two = _meshes()
+    with pytest.raises(ValueError, match="check_vma"):
+        _run(CASES[name].make(SPECS), two, SPECS, _grads(), check_vma=False)
