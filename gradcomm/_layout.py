@@ -20,7 +20,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import _axes, _checks
-from gradcomm._placement import check_copies, data_axes, device_spec, host_copy, num_shards, place
+from gradcomm._placement import (
+    check_copies,
+    data_axes,
+    device_spec,
+    host_copy,
+    model_specs,
+    num_shards,
+    place,
+    with_device_axis,
+)
 from gradcomm.sync import ParamsSync
 
 
@@ -78,9 +87,36 @@ def check_state_layout(
             )
 
 
-def state_specs(state: Any, flags: Sequence[bool], spec: P) -> Any:
-    _leaves, treedef = jax.tree.flatten(state)
-    return jax.tree.unflatten(treedef, [spec if f else P() for f in flags])
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def state_model_specs(tx: optax.GradientTransformation, shapes: Any, param_models: Any) -> list[P]:
+    """Per state leaf, how it is split over model axes: as its param, where it mirrors one.
+
+    Leaves shaped like the params (Adam's moments, residuals) follow `param_models` (from
+    `model_specs`), found with `optax.tree_map_params`; the others (counts, keys, factors)
+    are whole, `P()`.
+    """
+    state = jax.eval_shape(tx.init, shapes)
+    if not any(jax.tree.leaves(param_models, is_leaf=_is_spec)):
+        return [P()] * len(jax.tree.leaves(state))
+    mapped = optax.tree_map_params(
+        tx, lambda _, s: s, state, param_models, transform_non_params=lambda _: P(),
+        is_leaf=_is_spec,
+    )  # fmt: skip
+    return jax.tree.leaves(mapped, is_leaf=_is_spec)
+
+
+def state_specs(
+    state: Any, flags: Sequence[bool], spec: P, models: Sequence[P] | None = None
+) -> Any:
+    """The state's specs: a leading device axis `spec` where flagged, then its model split."""
+    leaves, treedef = jax.tree.flatten(state)
+    models = [P()] * len(leaves) if models is None else models
+    return jax.tree.unflatten(
+        treedef, [P(*spec, *m) if f else m for f, m in zip(flags, models, strict=True)]
+    )
 
 
 def unstack(tree: Any, flags: Sequence[bool]) -> Any:
@@ -199,9 +235,12 @@ def layout(
     conditional branches (`_joined_branches`), and the result is checked for optax
     wrappers that would decide per device (`_check_decisions`).
     """
-    param_spec = device_spec(mesh, names) if params_per_device else P()
+    models = model_specs(params, mesh, names, params_per_device)
+    param_spec = with_device_axis(models, device_spec(mesh, names) if params_per_device else None)
     tx = optax.with_extra_args_support(tx)
     shapes = jax.eval_shape(tx.init, local_shapes(params, params_per_device))
+    state_models = state_model_specs(tx, local_shapes(params, params_per_device), models)
+    others = set(mesh.axis_names) - set(names)
     flags = [False] * len(jax.tree.leaves(shapes))
     while True:
         found: list[bool] = []
@@ -212,6 +251,17 @@ def layout(
             leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
             grads = jax.tree.map(lambda x: _axes.vary(jnp.zeros_like(x), names), params)
             _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
+            paths = jax.tree_util.tree_leaves_with_path(new_state)
+            for (path, x), model in zip(paths, state_models, strict=True):
+                split = _axes.varying_axes(x) & others
+                unlaid = split - {n for e in model if e for n in _axes.axis_names(e)}
+                if unlaid:
+                    raise ValueError(
+                        f"state leaf {jax.tree_util.keystr(path)} differs across the model "
+                        f"axes {sorted(unlaid)}, but it mirrors no param split over them, so "
+                        f"train_step cannot lay it out; this transformation's state is not "
+                        f"supported on params split over model axes"
+                    )
             found.extend(
                 bool(_axes.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
             )
@@ -288,19 +338,21 @@ def init_state(
     check_sync(sync, params_per_device)
     names = data_axes(mesh, axes)
     spec = device_spec(mesh, names)
-    param_spec = spec if params_per_device else P()
     if params_per_device:
         hint = "place one copy per device with `parallel.per_device(params, mesh)`"
         check_copies(params, num_shards(mesh, names), "param", hint)
-    params = place(params, NamedSharding(mesh, param_spec))
+    models = model_specs(params, mesh, names, params_per_device)
+    param_spec = with_device_axis(models, spec if params_per_device else None)
+    params = jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), params, param_spec)
     flags = layout(tx, params, mesh, names, params_per_device)
 
     def body(params: Any) -> Any:
         return stack(tx.init(local_params(params, params_per_device)), flags)
 
     shapes = jax.eval_shape(tx.init, local_shapes(params, params_per_device))
-    out_specs = state_specs(shapes, flags, spec)
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=param_spec, out_specs=out_specs)
+    state_models = state_model_specs(tx, local_shapes(params, params_per_device), models)
+    out_specs = state_specs(shapes, flags, spec, state_models)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_spec,), out_specs=out_specs)
     state = jax.jit(mapped)(params)
     if sync is None:
         return state

@@ -120,6 +120,86 @@ def num_shards(mesh: Mesh, axes: _axes.AxisName | None = None) -> int:
     return math.prod(mesh.shape[a] for a in data_axes(mesh, axes))
 
 
+def _spec_names(spec: P) -> set[str]:
+    return {n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
+
+
+def model_specs(params: Any, mesh: Mesh, names: tuple[str, ...], params_per_device: bool) -> Any:
+    """Per param leaf, how it is split over the mesh axes that are not data axes.
+
+    Read from the leaves' `NamedSharding`s (without the leading device axis of per-device
+    params): `P('model', None)` for a kernel split by rows over `'model'` (tensor
+    parallelism). Host arrays, and leaves replicated over those axes, give `P()`.
+
+    Raises:
+      ValueError: for a leaf split over a data axis, or over axes the mesh does not have.
+    """
+
+    def spec_of(path: Any, x: Any) -> P:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return P()
+        entries = list(sharding.spec)[1 if params_per_device else 0 :]
+        while entries and entries[-1] is None:
+            entries.pop()
+        spec, name = P(*entries), jax.tree_util.keystr(path) or "<root>"
+        data = _spec_names(spec) & set(names)
+        if data:
+            raise ValueError(
+                f"param {name} is split over the data axes {sorted(data)} (spec {spec}): "
+                f"train_step keeps params whole over the data axes {names} and splits them "
+                f"only over the other mesh axes (tensor parallelism); place it replicated "
+                f"over {names}"
+            )
+        unknown = _spec_names(spec) - set(mesh.axis_names)
+        if unknown:
+            raise ValueError(f"param {name} is split over {sorted(unknown)}, not axes of {mesh}")
+        return spec
+
+    return jax.tree_util.tree_map_with_path(spec_of, params)
+
+
+def with_device_axis(specs: Any, lead: P | None) -> Any:
+    """`specs` (a pytree of `PartitionSpec`s) with a leading device axis `lead` prepended."""
+    if lead is None:
+        return specs
+    return jax.tree.map(lambda s: P(*lead, *s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(tree: Any, mesh: Mesh, specs: Any, *, per_device: bool = False) -> Any:
+    """Places params split over model axes (tensor parallelism), whole over the data axes.
+
+    Args:
+      tree: a pytree of arrays: the whole params (one copy, or with `per_device` one copy
+        per data-parallel device along a leading axis).
+      mesh: the mesh, with data axes and model axes.
+      specs: a pytree of `PartitionSpec`s like `tree`, naming only model axes, such as
+        `P(None, "model")` for a kernel split by columns; `P()` keeps a leaf whole.
+      per_device: whether `tree` carries the leading device axis of per-device params
+        (all mesh axes not named in `specs` are then the data axes, in mesh order).
+
+    Returns:
+      The params on the mesh, each leaf split as its spec says.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from gradcomm import parallel
+      >>> mesh = parallel.make_mesh({"data": 2, "model": 2}, devices=jax.devices()[:4])
+      >>> params = {"w": np.ones((4, 6), np.float32), "b": np.ones(6, np.float32)}
+      >>> placed = parallel.shard_params(params, mesh, {"w": P(None, "model"), "b": P()})
+      >>> placed["w"].sharding.spec, placed["w"].addressable_shards[0].data.shape
+      (P(None, 'model'), (4, 3))
+    """
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    lead = None
+    if per_device:
+        named = set().union(*(_spec_names(s) for s in jax.tree.leaves(specs, is_leaf=is_spec)))
+        lead = device_spec(mesh, tuple(a for a in mesh.axis_names if a not in named))
+    specs = with_device_axis(specs, lead)
+    return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), tree, specs)
+
+
 def place(tree: Any, sharding: NamedSharding) -> Any:
     """Puts every leaf on `sharding`, from host or device data, in one or many processes.
 

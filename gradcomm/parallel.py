@@ -48,6 +48,7 @@ from gradcomm._layout import (
     local_shapes,
     per_device_leaves,
     stack,
+    state_model_specs,
     state_specs,
     unstack,
 )
@@ -57,6 +58,7 @@ from gradcomm._placement import (
     device_spec,
     host_copy,
     make_mesh,
+    model_specs,
     num_shards,
     pairwise_axes,
     per_device,
@@ -64,6 +66,8 @@ from gradcomm._placement import (
     place_batch,
     replicate,
     shard_batch,
+    shard_params,
+    with_device_axis,
 )
 from gradcomm.sync import ParamsSync
 
@@ -79,6 +83,7 @@ __all__ = [
     "per_device",
     "replicate",
     "shard_batch",
+    "shard_params",
     "train_step",
 ]
 
@@ -112,9 +117,7 @@ class TrainStep:
         self._params_per_device, self._has_aux, self._donate = params_per_device, has_aux, donate
         self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
         self._spec = device_spec(mesh, names)
-        self._param_spec = self._spec if params_per_device else P()
         # Computed once: placing inputs on every call reuses them.
-        self._param_sharding = NamedSharding(mesh, self._param_spec)
         self._batch_sharding = NamedSharding(mesh, self._spec)
         self._num_shards = num_shards(mesh, names)
         self._compiled: dict[Any, Any] = {}
@@ -153,6 +156,12 @@ class TrainStep:
 
         return body
 
+    def _param_specs(self, params: Any) -> tuple[Any, Any]:
+        """The params' model-axis split (`model_specs`) and their specs in the map."""
+        models = model_specs(params, self._mesh, self._names, self._params_per_device)
+        lead = self._spec if self._params_per_device else None
+        return models, with_device_axis(models, lead)
+
     def _jitted(self, params: Any, state: Any) -> Any:
         if isinstance(state, TrainState) != bool(self._sync):
             raise ValueError(
@@ -162,11 +171,13 @@ class TrainStep:
                 "the same sync, train_step(..., sync=sync)"
             )
         shapes = tuple(np.shape(x) for x in jax.tree.leaves(state))
+        models, param_specs = self._param_specs(params)
+        split = tuple(jax.tree.leaves(models, is_leaf=lambda x: isinstance(x, P)))
         if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
             # leaf's sharding, which then cannot say which leaves are per device; the
             # transformation's layout says, once per state structure (it traces an update).
-            key = (jax.tree.structure(state), shapes)
+            key = (jax.tree.structure(state), shapes, split)
             if key in self._compiled:
                 return self._compiled[key]
             flags = layout(self._tx, params, self._mesh, self._names, self._params_per_device)
@@ -174,18 +185,21 @@ class TrainStep:
                 flags += [False] * len(jax.tree.leaves(state.sync))
         else:
             flags = per_device_leaves(state, self._spec)
-            key = (jax.tree.structure(state), tuple(flags), shapes)
+            key = (jax.tree.structure(state), tuple(flags), shapes, split)
         if key not in self._compiled:
-            local = jax.eval_shape(self._tx.init, local_shapes(params, self._params_per_device))
+            shapes = local_shapes(params, self._params_per_device)
+            local = jax.eval_shape(self._tx.init, shapes)
+            state_models = state_model_specs(self._tx, shapes, models)
             if self._sync:
                 local = TrainState(local, state.sync)
+                state_models += [P()] * len(jax.tree.leaves(state.sync))
             check_state_layout(state, flags, local, self._num_shards, self._names)
-            specs = state_specs(state, flags, self._spec)
+            specs = state_specs(state, flags, self._spec, state_models)
             mapped = jax.shard_map(
                 self._body(flags),
                 mesh=self._mesh,
-                in_specs=(self._param_spec, specs, self._spec),
-                out_specs=(self._param_spec, specs, P()),
+                in_specs=(param_specs, specs, self._spec),
+                out_specs=(param_specs, specs, P()),
             )
             self._compiled[key] = jax.jit(mapped, donate_argnums=(0, 1) if self._donate else ())
         return self._compiled[key]
@@ -198,8 +212,9 @@ class TrainStep:
                 "(`parallel.host_copy(params, per_device=True)`) and place it again"
             )
             check_copies(params, self._num_shards, "param", hint)
+        _, specs = self._param_specs(params)
         return (
-            place(params, self._param_sharding),
+            jax.tree.map(lambda x, s: place(x, NamedSharding(self._mesh, s)), params, specs),
             state,
             place_batch(batch, self._batch_sharding, self._num_shards),
         )

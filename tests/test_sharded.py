@@ -126,3 +126,85 @@ def test_unchecked_types_raise_instead_of_a_per_shard_result(name):
     _, two = _meshes()
     with pytest.raises(ValueError, match="check_vma"):
         _run(CASES[name].make(SPECS), two, SPECS, _grads(), check_vma=False)
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor parallelism in parallel.train_step: a Megatron-style MLP, column- then row-split.
+
+MLP_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
+
+
+def _mlp(params, batch, model_axis=None):
+    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
+    y = h @ params["w2"]
+    if model_axis is not None:  # each device holds a slice of the hidden units
+        y = jax.lax.psum(y, model_axis)
+    return jax.numpy.mean((y + params["b2"] - batch["y"]) ** 2)
+
+
+def _mlp_problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {
+        "w1": rng.standard_normal((6, 16)).astype(np.float32) / 3,
+        "b1": rng.standard_normal(16).astype(np.float32) / 10,
+        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
+        "b2": np.zeros(5, np.float32),
+    }
+    batches = [
+        {
+            "x": rng.standard_normal((16, 6)).astype(np.float32),
+            "y": rng.standard_normal((16, 5)).astype(np.float32),
+        }
+        for _ in range(5)
+    ]
+    return params, batches
+
+
+TP_CASES = {  # name: (make(specs) -> tx, the method acts before the optimizer)
+    "allreduce": (lambda specs: gradcomm.allreduce("data"), True),
+    "adasum": (lambda specs: gradcomm.adasum("data"), False),
+}
+
+
+def _train(tx, mesh, params, batches, loss):
+    from gradcomm import parallel
+
+    state = parallel.init_state(tx, params, mesh, axes="data")
+    step = parallel.train_step(loss, tx, mesh, axes="data")
+    for batch in batches:
+        params, state, _ = step(params, state, batch)
+    return jax.tree.map(np.asarray, params), state
+
+
+@pytest.mark.parametrize("name", TP_CASES)
+def test_train_step_keeps_params_split_over_the_model_axis(name):
+    from gradcomm import parallel
+
+    make, before = TP_CASES[name]
+
+    def chain(method):
+        adam = optax.adam(1e-2)
+        return optax.chain(method, adam) if before else optax.chain(adam, method)
+
+    one, two = _meshes()
+    params, batches = _mlp_problem()
+    want, _ = _train(chain(make(None)), one, parallel.replicate(params, one), batches, _mlp)
+    placed = parallel.shard_params(params, two, MLP_SPECS)
+    loss = functools.partial(_mlp, model_axis="model")
+    got, state = _train(chain(make(MLP_SPECS)), two, placed, batches, loss)
+    for k in params:
+        err = _relative(got[k], want[k])
+        assert err <= 1e-6, f"{name}: param {k} off by {err:.3g} relative"
+        assert not np.allclose(got[k], params[k])  # it trained
+    # The state mirrors the params' split: Adam's moments are split like them (after a
+    # leading device axis where each device runs its own Adam).
+    adam = next(s for s in jax.tree.leaves(state, is_leaf=_is_adam) if _is_adam(s))
+    for k, spec in MLP_SPECS.items():
+        got_spec = list(adam.mu[k].sharding.spec)[0 if before else 1 :]
+        while got_spec and got_spec[-1] is None:
+            got_spec.pop()
+        assert P(*got_spec) == spec, (k, adam.mu[k].sharding.spec)
+
+
+def _is_adam(x):
+    return isinstance(x, optax.ScaleByAdamState)
