@@ -25,6 +25,7 @@ from gradcomm._placement import (
     data_axes,
     device_spec,
     host_copy,
+    is_fsdp,
     model_specs,
     num_shards,
     place,
@@ -89,6 +90,23 @@ def check_state_layout(
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
+
+
+def fsdp_leaves(models: Any, names: tuple[str, ...]) -> list[bool]:
+    """Per param leaf, whether `model_specs` splits it over the data axes (FSDP)."""
+    return [is_fsdp(s, names) for s in jax.tree.leaves(models, is_leaf=_is_spec)]
+
+
+def gather_fsdp(params: Any, fsdp: Sequence[bool], names: tuple[str, ...]) -> Any:
+    """Inside the map: the FSDP-split params gathered whole (the forward's all-gather)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            lax.all_gather(x, names, axis=0, tiled=True) if f else x
+            for x, f in zip(leaves, fsdp, strict=True)
+        ],
+    )
 
 
 def state_model_specs(tx: optax.GradientTransformation, shapes: Any, param_models: Any) -> list[P]:
@@ -237,9 +255,11 @@ def layout(
     """
     models = model_specs(params, mesh, names, params_per_device)
     param_spec = with_device_axis(models, device_spec(mesh, names) if params_per_device else None)
+    fsdp = fsdp_leaves(models, names)
     tx = optax.with_extra_args_support(tx)
     shapes = jax.eval_shape(tx.init, local_shapes(params, params_per_device))
     state_models = state_model_specs(tx, local_shapes(params, params_per_device), models)
+    state_fsdp = [is_fsdp(m, names) for m in state_models]
     others = set(mesh.axis_names) - set(names)
     flags = [False] * len(jax.tree.leaves(shapes))
     while True:
@@ -249,8 +269,19 @@ def layout(
             params = local_params(params, params_per_device)
             leaves, treedef = jax.tree.flatten(tx.init(params))
             leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
-            grads = jax.tree.map(lambda x: _axes.vary(jnp.zeros_like(x), names), params)
-            _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
+            whole = gather_fsdp(params, fsdp, names)
+            grads = jax.tree.map(lambda x: _axes.vary(jnp.zeros_like(x), names), whole)
+            try:
+                _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
+            except (TypeError, ValueError) as e:
+                if not any(fsdp):
+                    raise
+                raise ValueError(
+                    f"with params split over the data axes {names} (FSDP), the "
+                    f"transformation gets each param's whole gradient and must return this "
+                    f"device's shard of it; this one failed to ({e}). The gradcomm methods "
+                    f"that reduce-scatter take the params' specs: allreduce(specs=...)"
+                ) from e
             paths = jax.tree_util.tree_leaves_with_path(new_state)
             for (path, x), model in zip(paths, state_models, strict=True):
                 split = _axes.varying_axes(x) & others
@@ -262,8 +293,10 @@ def layout(
                         f"train_step cannot lay it out; this transformation's state is not "
                         f"supported on params split over model axes"
                     )
+            # A leaf split like an FSDP param varies over the data axes by being split.
             found.extend(
-                bool(_axes.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
+                bool(_axes.varying_axes(x) & set(names)) and not split
+                for x, split in zip(jax.tree.leaves(new_state), state_fsdp, strict=True)
             )
             return jnp.zeros(())
 
@@ -357,3 +390,21 @@ def init_state(
     if sync is None:
         return state
     return TrainState(state, sync_state_of(sync, params, mesh, params_per_device))
+
+
+def check_update_shapes(updates: Any, params: Any, fsdp: Sequence[bool]) -> None:
+    """Raises where an update is not shaped like its param (inside the map)."""
+    paths = jax.tree_util.tree_leaves_with_path(params)
+    for (path, p), u, split in zip(paths, jax.tree.leaves(updates), fsdp, strict=True):
+        if np.shape(u) != np.shape(p):
+            how = (
+                " The param is split over the data axes (FSDP): the transformation must "
+                "return this device's shard of the combined gradient; the gradcomm methods "
+                "that reduce-scatter take the params' specs, allreduce(specs=...)."
+                if split
+                else ""
+            )
+            raise ValueError(
+                f"the update of param {jax.tree_util.keystr(path)} has shape {np.shape(u)}, "
+                f"but the param here has shape {np.shape(p)}.{how}"
+            )

@@ -124,16 +124,26 @@ def _spec_names(spec: P) -> set[str]:
     return {n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
 
 
+def is_fsdp(spec: P, names: tuple[str, ...]) -> bool:
+    """Whether a param's spec splits its leading dimension over the data axes (FSDP)."""
+    if not len(spec) or spec[0] is None:
+        return False
+    return tuple(_axes.axis_names(spec[0])) == tuple(names)
+
+
 def model_specs(params: Any, mesh: Mesh, names: tuple[str, ...], params_per_device: bool) -> Any:
-    """Per param leaf, how it is split over the mesh axes that are not data axes.
+    """Per param leaf, how it is split over the mesh (beside per-device copies).
 
     Read from the leaves' `NamedSharding`s (without the leading device axis of per-device
-    params): `P('model', None)` for a kernel split by rows over `'model'` (tensor
-    parallelism). Host arrays, and leaves replicated over those axes, give `P()`.
+    params): `P('model', None)` for a kernel split by rows over a `'model'` axis (tensor
+    parallelism); `P('data', ...)`, the leading dimension split over every data axis, for
+    FSDP (ZeRO-3). Host arrays, and replicated leaves, give `P()`.
 
     Raises:
-      ValueError: for a leaf split over a data axis, or over axes the mesh does not have.
+      ValueError: for a leaf split over the data axes any other way, split over data
+        axes while params are per device, or over axes the mesh does not have.
     """
+    lead = names if len(names) > 1 else names[0]
 
     def spec_of(path: Any, x: Any) -> P:
         sharding = getattr(x, "sharding", None)
@@ -143,13 +153,17 @@ def model_specs(params: Any, mesh: Mesh, names: tuple[str, ...], params_per_devi
         while entries and entries[-1] is None:
             entries.pop()
         spec, name = P(*entries), jax.tree_util.keystr(path) or "<root>"
-        data = _spec_names(spec) & set(names)
-        if data:
+        data = (
+            _spec_names(P(*entries[1:])) & set(names)
+            if is_fsdp(spec, names)
+            else (_spec_names(spec) & set(names))
+        )
+        if data or (params_per_device and is_fsdp(spec, names)):
             raise ValueError(
-                f"param {name} is split over the data axes {sorted(data)} (spec {spec}): "
-                f"train_step keeps params whole over the data axes {names} and splits them "
-                f"only over the other mesh axes (tensor parallelism); place it replicated "
-                f"over {names}"
+                f"param {name} is split over the data axes {sorted(_spec_names(spec) & set(names))}"
+                f" (spec {spec}): train_step splits a param over the data axes {names} only "
+                f"along its leading dimension, P({lead!r}, ...) (FSDP, with params not per "
+                f"device), and over other mesh axes anyhow (tensor parallelism)"
             )
         unknown = _spec_names(spec) - set(mesh.axis_names)
         if unknown:

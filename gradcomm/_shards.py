@@ -164,3 +164,58 @@ def global_shape(shape: Sequence[int], spec: PartitionSpec | None, axis_name: Ax
         return tuple(shape)
     dims = _dim_axes(spec, len(shape), set(axis_names(axis_name)))
     return tuple(size * num_shards(d) for size, d in zip(shape, dims, strict=True))
+
+
+# FSDP (ZeRO-3): params split over the data axes themselves, along their leading dimension.
+# Each device receives only its shard of the combined gradient: a reduce-scatter.
+
+
+def scattered(spec: PartitionSpec | None, axis_name: AxisName, who: str, name: str) -> bool:
+    """Whether a leaf's spec splits it over the data axes (FSDP): its first entry names them.
+
+    Raises:
+      ValueError: where the spec names data axes anywhere else, or only some of them.
+    """
+    if spec is None or not len(spec):
+        return False
+    data = axis_names(axis_name)
+    entries = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in spec]
+    if tuple(entries[0]) == data and not any(set(e) & set(data) for e in entries[1:]):
+        return True
+    if any(set(e) & set(data) for e in entries):
+        raise ValueError(
+            f"{who}: leaf {name!r} has spec {spec}, which splits it over data axes other "
+            f"than along its leading dimension by all of {data}: FSDP splits a param's "
+            f"leading dimension over every data axis, P({data if len(data) > 1 else data[0]!r}"
+            f", ...)"
+        )
+    return False
+
+
+def to_rows(leaves: Sequence[jax.Array], n: int, who: str) -> jax.Array:
+    """Whole leaves as `(n, m)`: row j the concatenation of every leaf's shard j (flat).
+
+    Shard j of a leaf is its j-th of n equal slices along its leading dimension, the
+    piece that FSDP keeps on device j.
+    """
+    rows = []
+    for leaf in leaves:
+        if not leaf.ndim or leaf.shape[0] % n:
+            raise ValueError(
+                f"{who}: FSDP splits a leaf's leading dimension over the {n} devices of the "
+                f"data axes, but a leaf has shape {leaf.shape}: give it a leading dimension "
+                f"divisible by {n}, or keep it whole (P())"
+            )
+        rows.append(leaf.reshape(n, -1))
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+
+
+def from_rows(row: jax.Array, shapes: Sequence[tuple[int, ...]], n: int) -> list[jax.Array]:
+    """One row of `to_rows` back to the leaves' shards, each `(shape[0] // n, *shape[1:])`."""
+    out, start = [], 0
+    for shape in shapes:
+        local = (shape[0] // n, *shape[1:])
+        size = math.prod(local)
+        out.append(row[start : start + size].reshape(local))
+        start += size
+    return out

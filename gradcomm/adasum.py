@@ -171,7 +171,8 @@ def orthogonality(
       combined: `adasum_reduce(tree, axis_name)` if already computed, to save a pass.
 
     Returns:
-      A pytree like `tree` of float32 scalars (NaN for a leaf that is zero everywhere).
+      A pytree like `tree` of float32 scalars (NaN for a leaf that is zero everywhere),
+      of the whole tensors where leaves are split over other mesh axes (`adasum_reduce`).
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -186,16 +187,18 @@ def orthogonality(
         combined = adasum_reduce(tree, axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     sums = jax.tree_util.tree_leaves(combined)
+    shards = [_shards.shard_axes(x, axis_name, "orthogonality") for x in leaves]
     wide = [x.astype(_axes.compute_dtype(x.dtype)) for x in leaves]
     ct = jnp.result_type(*wide) if wide else jnp.float32
     maxima = jnp.stack([jnp.max(jnp.abs(x), initial=0).astype(ct) for x in wide])
-    _, inverse = _numeric.pow2_scale(lax.pmax(maxima, axis_name))
+    maxima = _shards.reduce_per_leaf(lax.pmax(maxima, axis_name), shards, lax.pmax)
+    _, inverse = _numeric.pow2_scale(maxima)
     squares = [jnp.sum(jnp.square(x * s)) for x, s in zip(wide, inverse.astype(ct), strict=True)]
-    total = lax.psum(jnp.stack(squares), axis_name)
-    result = [
-        jnp.sum(jnp.square(c.astype(ct) * s)) / t
-        for c, s, t in zip(sums, inverse, total, strict=True)
-    ]
+    total = _shards.reduce_per_leaf(lax.psum(jnp.stack(squares), axis_name), shards)
+    combined_squares = jnp.stack(
+        [jnp.sum(jnp.square(c.astype(ct) * s)) for c, s in zip(sums, inverse, strict=True)]
+    )
+    result = list(_shards.reduce_per_leaf(combined_squares, shards) / total)
     return jax.tree_util.tree_unflatten(treedef, [r.astype(jnp.float32) for r in result])
 
 

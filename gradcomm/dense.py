@@ -8,7 +8,7 @@ import jax
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks
+from gradcomm import _axes, _checks, _flat, _shards
 from gradcomm.low_precision import low_precision
 
 
@@ -17,7 +17,7 @@ class AllReduceState(NamedTuple):
 
 
 def allreduce(
-    axis_name: _axes.AxisName = "data", dtype: Any = None
+    axis_name: _axes.AxisName = "data", dtype: Any = None, *, specs: Any = None
 ) -> optax.GradientTransformationExtraArgs:
     """Replaces each update by its mean over the devices of `axis_name` (`lax.pmean`).
 
@@ -25,11 +25,21 @@ def allreduce(
     method is measured against. Place it before the optimizer to average gradients
     (`optax.chain(gradcomm.allreduce(), optax.adam(1e-3))`), or after it to average updates.
 
+    With FSDP (ZeRO-3: params split along their leading dimension over the data axes,
+    `specs`), each device receives only its shard of the mean: one reduce-scatter per
+    dtype (`lax.psum_scatter`), which sends (N - 1) / N of the gradient's bytes per device,
+    half an all-reduce's. Leaves split over other mesh axes (tensor parallelism) need
+    nothing: the mean is elementwise.
+
     Args:
       axis_name: the mesh axis, or tuple of axes, to average over.
       dtype: None sends the updates as they are; `jnp.bfloat16` or `jnp.float16` sends
         them as 16-bit floats, half the bytes: that is `gradcomm.low_precision(axis_name,
         dtype)`, which this returns.
+      specs: None, or the params' `PartitionSpec`s (a pytree like them). A leaf whose spec
+        splits its leading dimension over `axis_name`, `P("data", ...)`, is FSDP-sharded:
+        its update comes in whole (the gradient of the gathered param) and leaves as this
+        device's shard of the mean.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AllReduceState` (a
@@ -61,7 +71,29 @@ def allreduce(
     ) -> tuple[Any, AllReduceState]:
         del state, params, extra_args
         _checks.check_updates(updates, axis_name, "allreduce")
-        _axes.axis_size(axis_name)
-        return lax.pmean(updates, axis_name), AllReduceState()
+        n = _axes.axis_size(axis_name)
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        names = _checks.leaf_names([path for path, _ in paths_leaves])
+        leaves = [leaf for _, leaf in paths_leaves]
+        scatter = [
+            _shards.scattered(spec, axis_name, "allreduce", name)
+            for spec, name in zip(
+                _shards.leaf_specs(specs, updates, "allreduce"), names, strict=True
+            )
+        ]
+        whole = [i for i, s in enumerate(scatter) if not s]
+        out = list(leaves)
+        means = lax.pmean([leaves[i] for i in whole], axis_name)
+        for i, mean in zip(whole, means, strict=True):
+            out[i] = mean
+        split = [i for i, s in enumerate(scatter) if s]
+        for group in _flat.dtype_groups([leaves[i] for i in split]):
+            ids = [split[j] for j in group]
+            rows = _shards.to_rows([leaves[i] for i in ids], n, "allreduce")
+            mine = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0] / n
+            pieces = _shards.from_rows(mine, [leaves[i].shape for i in ids], n)
+            for i, piece in zip(ids, pieces, strict=True):
+                out[i] = piece.astype(leaves[i].dtype)
+        return jax.tree.unflatten(treedef, out), AllReduceState()
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

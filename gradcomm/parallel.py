@@ -42,6 +42,9 @@ from gradcomm._layout import (
     TrainState,
     check_state_layout,
     check_sync,
+    check_update_shapes,
+    fsdp_leaves,
+    gather_fsdp,
     init_state,
     layout,
     local_params,
@@ -57,6 +60,7 @@ from gradcomm._placement import (
     data_axes,
     device_spec,
     host_copy,
+    is_fsdp,
     make_mesh,
     model_specs,
     num_shards,
@@ -121,19 +125,24 @@ class TrainStep:
         self._batch_sharding = NamedSharding(mesh, self._spec)
         self._num_shards = num_shards(mesh, names)
         self._compiled: dict[Any, Any] = {}
+        self._shapes: dict[Any, Any] = {}
 
-    def _body(self, flags: list[bool]) -> Callable[..., Any]:
+    def _body(self, flags: list[bool], fsdp: list[bool]) -> Callable[..., Any]:
         names, tx = self._names, self._tx
 
         def body(params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
             params = local_params(params, self._params_per_device)
             # Differentiating replicated (invariant) params would make JAX sum the gradient
             # over the devices; the transformation must see each device's own gradient.
-            out, grads = self._grad_fn(jax.tree.map(lambda x: _axes.vary(x, names), params), batch)
+            # FSDP-split params are gathered whole first, and the transformation returns
+            # this device's shard of their combined gradient.
+            whole = gather_fsdp(params, fsdp, names)
+            out, grads = self._grad_fn(jax.tree.map(lambda x: _axes.vary(x, names), whole), batch)
             loss, aux = out if self._has_aux else (out, {})
             state = unstack(state, flags)
             tx_state = state.tx if self._sync else state
             updates, tx_state = tx.update(grads, tx_state, params)
+            check_update_shapes(updates, params, fsdp)
             params = optax.apply_updates(params, updates)
             if self._params_per_device:
                 if self._sync:
@@ -141,9 +150,10 @@ class TrainStep:
                     tx_state = TrainState(tx_state, sync_state)
                 params = jax.tree.map(lambda x: x[None], params)
             else:
-                for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+                paths = jax.tree_util.tree_leaves_with_path(params)
+                for (path, leaf), split in zip(paths, fsdp, strict=True):
                     varying = _axes.varying_axes(leaf) & set(names)
-                    if varying:
+                    if varying and not split:
                         raise ValueError(
                             f"params are replicated, but after this transformation param "
                             f"{jax.tree_util.keystr(path)} differs across axes "
@@ -162,6 +172,17 @@ class TrainStep:
         lead = self._spec if self._params_per_device else None
         return models, with_device_axis(models, lead)
 
+    def _state_shapes(self, params: Any, models: Any, split: tuple) -> tuple[Any, list[P]]:
+        """One device's state shapes (`tx.init`'s) and each state leaf's split, cached."""
+        shapes = local_shapes(params, self._params_per_device)
+        key = (jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)), split)
+        if key not in self._shapes:
+            self._shapes[key] = (
+                jax.eval_shape(self._tx.init, shapes),
+                state_model_specs(self._tx, shapes, models),
+            )
+        return self._shapes[key]
+
     def _jitted(self, params: Any, state: Any) -> Any:
         if isinstance(state, TrainState) != bool(self._sync):
             raise ValueError(
@@ -173,6 +194,10 @@ class TrainStep:
         shapes = tuple(np.shape(x) for x in jax.tree.leaves(state))
         models, param_specs = self._param_specs(params)
         split = tuple(jax.tree.leaves(models, is_leaf=lambda x: isinstance(x, P)))
+        local, state_models = self._state_shapes(params, models, split)
+        if self._sync:
+            local = TrainState(local, state.sync)
+            state_models = state_models + [P()] * len(jax.tree.leaves(state.sync))
         if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
             # leaf's sharding, which then cannot say which leaves are per device; the
@@ -184,19 +209,18 @@ class TrainStep:
             if self._sync:  # the sync's state is replicated
                 flags += [False] * len(jax.tree.leaves(state.sync))
         else:
-            flags = per_device_leaves(state, self._spec)
+            # A leaf split over the data axes like an FSDP param has no device axis.
+            fsdp_state = [is_fsdp(m, self._names) for m in state_models]
+            flags = [
+                f and not s
+                for f, s in zip(per_device_leaves(state, self._spec), fsdp_state, strict=True)
+            ]
             key = (jax.tree.structure(state), tuple(flags), shapes, split)
         if key not in self._compiled:
-            shapes = local_shapes(params, self._params_per_device)
-            local = jax.eval_shape(self._tx.init, shapes)
-            state_models = state_model_specs(self._tx, shapes, models)
-            if self._sync:
-                local = TrainState(local, state.sync)
-                state_models += [P()] * len(jax.tree.leaves(state.sync))
             check_state_layout(state, flags, local, self._num_shards, self._names)
             specs = state_specs(state, flags, self._spec, state_models)
             mapped = jax.shard_map(
-                self._body(flags),
+                self._body(flags, fsdp_leaves(models, self._names)),
                 mesh=self._mesh,
                 in_specs=(param_specs, specs, self._spec),
                 out_specs=(param_specs, specs, P()),

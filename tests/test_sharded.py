@@ -145,14 +145,14 @@ def _mlp(params, batch, model_axis=None):
 def _mlp_problem(seed=0):
     rng = np.random.default_rng(seed)
     params = {
-        "w1": rng.standard_normal((6, 16)).astype(np.float32) / 3,
+        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
         "b1": rng.standard_normal(16).astype(np.float32) / 10,
         "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
         "b2": np.zeros(5, np.float32),
     }
     batches = [
         {
-            "x": rng.standard_normal((16, 6)).astype(np.float32),
+            "x": rng.standard_normal((16, 8)).astype(np.float32),
             "y": rng.standard_normal((16, 5)).astype(np.float32),
         }
         for _ in range(5)
@@ -200,11 +200,101 @@ def test_train_step_keeps_params_split_over_the_model_axis(name):
     # leading device axis where each device runs its own Adam).
     adam = next(s for s in jax.tree.leaves(state, is_leaf=_is_adam) if _is_adam(s))
     for k, spec in MLP_SPECS.items():
-        got_spec = list(adam.mu[k].sharding.spec)[0 if before else 1 :]
-        while got_spec and got_spec[-1] is None:
-            got_spec.pop()
-        assert P(*got_spec) == spec, (k, adam.mu[k].sharding.spec)
+        assert P(*_spec(adam.mu[k])[0 if before else 1 :]) == spec, (k, _spec(adam.mu[k]))
+
+
+def _spec(x):
+    """An array's PartitionSpec without trailing Nones."""
+    entries = list(x.sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _is_adam(x):
     return isinstance(x, optax.ScaleByAdamState)
+
+
+# ------------------------------------------------------------------------------------------
+# FSDP (ZeRO-3) in parallel.train_step: params and optimizer state split over 'data'.
+
+FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
+FSDP_CASES = {  # name: make(specs) -> the method, which sits before Adam
+    "allreduce": lambda specs: gradcomm.allreduce("data", specs=specs),
+}
+
+
+@pytest.mark.parametrize("name", FSDP_CASES)
+def test_fsdp_train_step_matches_the_replicated_one(name):
+    from gradcomm import parallel
+
+    one, _ = _meshes()
+    params, batches = _mlp_problem()
+    adam = optax.adam(1e-2)
+    want, _ = _train(
+        optax.chain(FSDP_CASES[name](None), adam), one, parallel.replicate(params, one),
+        batches, _mlp,
+    )  # fmt: skip
+    placed = parallel.shard_params(params, one, FSDP_SPECS)
+    tx = optax.chain(FSDP_CASES[name](FSDP_SPECS), adam)
+    got, state = _train(tx, one, placed, batches, _mlp)
+    for k in params:
+        err = _relative(got[k], want[k])
+        assert err <= 1e-6, f"{name}: param {k} off by {err:.3g} relative"
+    adam_state = next(s for s in jax.tree.leaves(state, is_leaf=_is_adam) if _is_adam(s))
+    assert _spec(adam_state.mu["w1"]) == P("data")  # the moments split like the params
+    assert adam_state.mu["w1"].addressable_shards[0].data.shape == (2, 16)
+
+
+def test_fsdp_needs_a_method_that_reduce_scatters():
+    from gradcomm import parallel
+
+    one, _ = _meshes()
+    params, batches = _mlp_problem()
+    placed = parallel.shard_params(params, one, FSDP_SPECS)
+    tx = optax.chain(gradcomm.allreduce("data"), optax.adam(1e-2))  # no specs
+    with pytest.raises(ValueError, match="FSDP"):
+        _train(tx, one, placed, batches[:1], _mlp)
+
+
+def test_fsdp_memory_and_wire():
+    """Per device, params and Adam's state take 1/N of the replicated step's bytes (read
+    from `compiled.memory_analysis()`), and the gradient leaves as a reduce-scatter of
+    (N - 1)/N of its bytes (read from the compiled program)."""
+    from gradcomm import parallel, wire
+
+    one, _ = _meshes()
+    n = one.size
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": rng.standard_normal((64, 256)).astype(np.float32),
+        "w2": rng.standard_normal((256, 64)).astype(np.float32),
+        "b": np.zeros(64, np.float32),
+    }
+    specs = {"w1": P("data"), "w2": P("data"), "b": P()}
+    batch = {"x": np.ones((8, 64), np.float32), "y": np.ones((8, 64), np.float32)}
+
+    def loss(p, b):
+        return jax.numpy.mean((jax.nn.relu(b["x"] @ p["w1"]) @ p["w2"] + p["b"] - b["y"]) ** 2)
+
+    def compiled(placed, method):
+        tx = optax.chain(method, optax.adam(1e-3))
+        state = parallel.init_state(tx, placed, one)
+        step = parallel.train_step(loss, tx, one)
+        lowered = step.lower(placed, state, batch)
+        return lowered.compile().memory_analysis(), wire.measure(step, placed, state, batch)
+
+    whole, whole_wire = compiled(parallel.replicate(params, one), gradcomm.allreduce("data"))
+    split, split_wire = compiled(
+        parallel.shard_params(params, one, specs), gradcomm.allreduce("data", specs=specs)
+    )
+    batch_bytes = sum(x.nbytes for x in batch.values()) / n
+    ratio = (split.argument_size_in_bytes - batch_bytes) / (
+        whole.argument_size_in_bytes - batch_bytes
+    )
+    assert ratio <= 1 / n + 0.01, ratio  # only the bias and counts stay whole
+    kernel_bytes = params["w1"].nbytes + params["w2"].nbytes
+    kinds = split_wire.by_kind()
+    assert kinds["reduce-scatter"] == (n - 1) / n * kernel_bytes
+    assert kinds["all-gather"] == (n - 1) / n * kernel_bytes  # the forward's gather
+    assert whole_wire.by_kind()["all-reduce"] >= 2 * (n - 1) / n * kernel_bytes
