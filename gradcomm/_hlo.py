@@ -2,15 +2,19 @@
 
 What `gradcomm.wire` needs to know of the program, and nothing of what it costs: its
 computations and their instructions, the device count, the bytes of a shape, the size of a
-collective's replica group, the computations a while loop, a conditional or a call runs,
-and the `gradcomm.wire.branch` scopes left in an instruction's `op_name`. The format of
-those scopes is written (`scope_name`) and read (`tags`) here, in one place.
+collective's replica group and the devices of each group (or of each source-target pair),
+the computations a while loop, a conditional or a call runs, and the `gradcomm.wire.branch`
+scopes left in an instruction's `op_name`. The format of those scopes is written
+(`scope_name`) and read (`tags`) here, in one place.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
+
+import numpy as np
 
 DTYPE_BYTES = {
     "pred": 1,
@@ -46,6 +50,10 @@ _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)?\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+# The iota form in full: [groups,size]<=[reshape dims] and an optional T(transpose).
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
+_SET = re.compile(r"\{([0-9,]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _WHILE_BODY = re.compile(r"body=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -85,10 +93,6 @@ def parse(text: str) -> Module:
     (partitions or replicas, from the header)."""
     computations: dict[str, list[Instruction]] = {}
     entry, current = "", None
-    header = text.split("\n", 1)[0]
-    num = re.search(r"num_partitions=(\d+)", header)
-    rep = re.search(r"replica_count=(\d+)", header)
-    devices = max(int(num.group(1)) if num else 1, int(rep.group(1)) if rep else 1)
     for line in text.splitlines():
         if current is None:
             if m := _COMPUTATION.match(line):
@@ -104,7 +108,15 @@ def parse(text: str) -> Module:
             computations[current].append(Instruction(**m.groupdict()))
     if not entry:
         raise ValueError("no ENTRY computation found in the HLO text")
-    return Module(computations, entry, devices)
+    return Module(computations, entry, device_count(text))
+
+
+def device_count(text: str) -> int:
+    """The devices an HLO module runs on: its partitions or replicas, from the header."""
+    header = text.split("\n", 1)[0]
+    num = re.search(r"num_partitions=(\d+)", header)
+    rep = re.search(r"replica_count=(\d+)", header)
+    return max(int(num.group(1)) if num else 1, int(rep.group(1)) if rep else 1)
 
 
 def shape_bytes(shape: str) -> float:
@@ -137,6 +149,26 @@ def group_size(attrs: str, num_devices: int) -> int:
             first = m.group(1).split("}")[0].strip("{,")
             return len([d for d in first.split(",") if d])
     return num_devices
+
+
+def device_groups(attrs: str, num_devices: int) -> list[tuple[int, ...]]:
+    """The device ids of each of a collective's groups, as the text gives them.
+
+    Its replica groups in list form (`{{0,2},{1,3}}`) or iota form (`[2,2]<=[2,2]T(1,0)`:
+    the ids 0..N-1 laid out in the reshape dims, transposed, one group per row); a
+    collective-permute's source-target pairs, each pair a group; one group of all the
+    devices where it names none (`replica_groups={}` or no attribute).
+    """
+    if m := _PAIRS.search(attrs):
+        return [tuple(int(d) for d in p.split(",") if d) for p in _SET.findall(m.group(1))]
+    if m := _GROUPS_IOTA_FULL.search(attrs):
+        shape, dims = ([int(d) for d in g.split(",") if d] for g in m.groups()[:2])
+        perm = [int(d) for d in m.group(3).split(",")] if m.group(3) else range(len(dims))
+        ids = np.arange(math.prod(dims)).reshape(dims).transpose(tuple(perm))
+        return [tuple(int(d) for d in row) for row in ids.reshape(shape[0], -1)]
+    if (m := _GROUPS_LIST.search(attrs)) and m.group(1):
+        return [tuple(int(d) for d in g.split(",") if d) for g in _SET.findall(m.group(1))]
+    return [tuple(range(num_devices))]
 
 
 def while_loop(attrs: str) -> tuple[str | None, int | None]:

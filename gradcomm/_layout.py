@@ -120,8 +120,8 @@ def state_model_specs(tx: optax.GradientTransformation, shapes: Any, param_model
     if not any(jax.tree.leaves(param_models, is_leaf=_is_spec)):
         return [P()] * len(jax.tree.leaves(state))
     mapped = optax.tree_map_params(
-        tx, lambda _, s: s, state, param_models, transform_non_params=lambda _: P(),
-        is_leaf=_is_spec,
+        tx, lambda _, s: s, state, param_models,
+        transform_non_params=lambda v: jax.tree.map(lambda _: P(), v), is_leaf=_is_spec,
     )  # fmt: skip
     return jax.tree.leaves(mapped, is_leaf=_is_spec)
 

@@ -109,7 +109,7 @@ def leaf_specs(specs: Any, tree: Any, who: str) -> list[PartitionSpec | None]:
     return list(flat)
 
 
-def _dim_axes(spec: PartitionSpec, ndim: int, data: set[str]) -> list[Axes]:
+def dim_axes(spec: PartitionSpec, ndim: int, data: set[str]) -> list[Axes]:
     """Per dimension, the mesh axes (beyond the data axes) that split it."""
     entries = list(spec) + [None] * (ndim - len(spec))
     if len(entries) > ndim:
@@ -140,7 +140,7 @@ def global_index(
             f"which of its dimensions they split: pass specs=, a pytree of the params' "
             f"PartitionSpecs (the in_specs of shard_map)"
         )
-    dims = _dim_axes(spec, x.ndim, set(axis_names(axis_name)))
+    dims = dim_axes(spec, x.ndim, set(axis_names(axis_name)))
     named = {n for d in dims for n in d}
     if named != set(axes):
         raise ValueError(
@@ -162,7 +162,7 @@ def global_shape(shape: Sequence[int], spec: PartitionSpec | None, axis_name: Ax
     """The whole tensor's shape from a piece's `shape` and its `spec` (data axes ignored)."""
     if spec is None:
         return tuple(shape)
-    dims = _dim_axes(spec, len(shape), set(axis_names(axis_name)))
+    dims = dim_axes(spec, len(shape), set(axis_names(axis_name)))
     return tuple(size * num_shards(d) for size, d in zip(shape, dims, strict=True))
 
 

@@ -6,6 +6,9 @@ Each computation costs a `_Cost`: the collectives it runs in the worst case (eve
 conditional's largest branch), and for `steady` and `average` the collectives with how
 often each runs per step, as exact fractions. A while loop multiplies its body's cost by
 its trip count; a conditional weighs its branches by their schedules (`_schedule`).
+
+Given the program's `Layout` (its devices' coordinates on a mesh), each collective names
+the mesh axes its groups span.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -35,6 +38,39 @@ _MODEL: dict[str, Callable[[int], float]] = {
 
 # A collective and how often it runs per step (its `sent` has its loops' trip counts).
 _Weighted = tuple[tuple[Collective, Fraction], ...]
+
+
+class Layout(NamedTuple):
+    """Where a program's devices sit on a mesh.
+
+    Attributes:
+      axes: the mesh's (axis name, size) pairs, in mesh order.
+      coords: each device's mesh coordinates, indexed by its id in the program's replica
+        groups (its position in the program's device assignment).
+    """
+
+    axes: tuple[tuple[str, int], ...]
+    coords: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, shape: Mapping[str, int], positions: Sequence[int] | None = None) -> Layout:
+        """The layout of a mesh of `shape` (axis name -> size, in mesh order) whose device
+        with id i is the mesh's `positions[i]`-th in row-major order (default: the i-th)."""
+        axes = tuple((str(name), int(size)) for name, size in shape.items())
+        grid = list(itertools.product(*(range(size) for _, size in axes)))
+        order = range(len(grid)) if positions is None else positions
+        return cls(axes, tuple(grid[p] for p in order))
+
+    def spanned(self, groups: Iterable[Sequence[int]]) -> tuple[str, ...] | None:
+        """The axes, in mesh order, along which some group's members' coordinates differ
+        (None if a group names a device the layout does not hold)."""
+        differ: set[int] = set()
+        for group in groups:
+            if any(not 0 <= d < len(self.coords) for d in group):
+                return None
+            points = [self.coords[d] for d in group]
+            differ.update(i for i in range(len(self.axes)) if len({p[i] for p in points}) > 1)
+        return tuple(name for i, (name, _) in enumerate(self.axes) if i in differ)
 
 
 class _Cost(NamedTuple):
@@ -111,22 +147,32 @@ def _schedule(
 
 
 def _collective(
-    inst: _hlo.Instruction, kind: str, holder: str, shapes: dict[str, str], devices: int
+    inst: _hlo.Instruction,
+    kind: str,
+    holder: str,
+    shapes: dict[str, str],
+    devices: int,
+    layout: Layout | None,
 ) -> _Cost:
-    """The cost of one collective instruction of computation `holder`."""
+    """The cost of one collective instruction of computation `holder`, and the mesh axes
+    it spans where the `layout` is known."""
     payload = sum(_hlo.shape_bytes(shapes.get(o, "")) for o in _hlo.operand_names(inst))
     n = _hlo.group_size(inst.attrs, devices)
     if kind == "all-gather":
         payload *= n
     if kind == "collective-permute" and "source_target_pairs={}" in inst.attrs:
         payload = 0.0
-    c = Collective(kind, inst.name, holder, payload, n, 1, payload * _MODEL[kind](n))
+    axes = layout.spanned(_hlo.device_groups(inst.attrs, devices)) if layout else None
+    c = Collective(kind, inst.name, holder, payload, n, 1, payload * _MODEL[kind](n), axes)
     return _Cost((c,), ((c, Fraction(1)),), ((c, Fraction(1)),), 1, ())
 
 
-def analyze(text: str) -> WireReport:
-    """The `WireReport` of an HLO module's text (see `gradcomm.wire.analyze_hlo`)."""
+def analyze(text: str, layout: Layout | None = None) -> WireReport:
+    """The `WireReport` of an HLO module's text (see `gradcomm.wire.analyze_hlo`), its
+    collectives' axes read off `layout` (which must hold as many devices as the module)."""
     module = _hlo.parse(text)
+    if layout is not None and len(layout.coords) != module.devices:
+        raise ValueError(f"the mesh has {len(layout.coords)} devices, the program {module.devices}")
     computations = module.computations
     exact = True
 
@@ -162,7 +208,7 @@ def analyze(text: str) -> WireReport:
         for inst in computations.get(name, []):
             kind = inst.opcode.removesuffix("-start")
             if kind in _MODEL and not inst.opcode.endswith("-done"):
-                add(_collective(inst, kind, name, shapes, module.devices))
+                add(_collective(inst, kind, name, shapes, module.devices, layout))
             elif inst.opcode == "while":
                 body, trips = _hlo.while_loop(inst.attrs)
                 if trips is None:
@@ -221,4 +267,5 @@ def analyze(text: str) -> WireReport:
         average=_figure(top.average),
         period=top.period,
         conditionals=top.conditionals,
+        mesh=None if layout is None else layout.axes,
     )

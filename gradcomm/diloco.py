@@ -17,6 +17,16 @@ after the inner optimizer's step, the same bits on every device, and communicate
 then: one all-reduce of the params every H steps, which `gradcomm.wire` reports as such
 (the branch "outer step"). With `outer=optax.sgd(1.0)` it is local SGD up to rounding:
 `anchor - (anchor - mean)` rather than the mean itself.
+
+On a mesh with axes besides the data axes (tensor parallelism: inside `jax.shard_map` over
+`('data', 'model')`, params split over `'model'` beside params replicated over it), the
+mean is elementwise and each leaf of the params, the anchor and the outer state keeps
+its type, its own varying axes joined with those the outer step gives it. An elementwise
+outer optimizer (SGD, momentum, Nesterov, Adam) then gives each piece the whole tensor's
+piece of its step, bit for bit. One that needs statistics of whole tensors (a global
+norm to clip by, a per-tensor trust ratio as in LAMB) computes them on each device's
+pieces here: they would need reducing over the model axes, which this does not do (and
+a replicated leaf mixed with sharded ones would come out typed as varying over them).
 """
 
 from __future__ import annotations
@@ -74,7 +84,10 @@ def diloco(
       axis_name: the mesh axis (or tuple of axes) of the workers to average over.
       outer: the outer optimizer, an optax transformation applied to the outer gradient
         with the anchor as its params; default `optax.sgd(0.7, momentum=0.9,
-        nesterov=True)`, the paper's Nesterov momentum.
+        nesterov=True)`, the paper's Nesterov momentum. With params sharded over a model
+        axis it sees each device's pieces: an elementwise one is exact, one that needs
+        whole-tensor statistics (a global norm) would need them reduced over the model
+        axes, which is not done (see the module docstring).
       every: H >= 1, the inner steps between outer steps (the paper's H = 500).
 
     Returns:
@@ -152,8 +165,10 @@ def diloco(
     def update(params: Any, state: DilocoState) -> tuple[Any, DilocoState]:
         _checks.check_float_leaves(params, "diloco")
         _axes.axis_size(axis_name)  # for the error message where it is not bound
-        # Under shard_map, both branches must give each output the same varying axes.
-        operands = _joined((params, state.anchor, state.outer_state), axis_name)
+        operands = (params, state.anchor, state.outer_state)
+        if _axes.is_manual(axis_name):
+            # Under shard_map, both branches must give each output the same varying axes.
+            operands = _joined(operands, outer_step)
         due = _schedule.every(state.count, every)
         params, anchor, outer_state = lax.cond(due, outer_step, lambda ops: ops, operands)
         count = optax.safe_increment(state.count)
@@ -162,39 +177,41 @@ def diloco(
     return ParamsSync(init, _not_a_transformation(update, "diloco"))
 
 
-def _varying(tree: Any) -> frozenset[str]:
-    """The mesh axes over which some leaf of `tree` varies (none outside shard_map)."""
-    return frozenset().union(*(_axes.varying_axes(x) for x in jax.tree.leaves(tree)))
+def _joined(operands: tuple[Any, Any, Any], outer_step: Any) -> tuple[Any, Any, Any]:
+    """(params, anchor, outer_state), each leaf typed like the outer step's result for it.
 
-
-def _joined(operands: tuple[Any, Any, Any], axis_name: _axes.AxisName) -> tuple[Any, Any, Any]:
-    """(params, anchor, outer_state), typed so that the outer step's results match them.
-
-    The outer step's results vary where its inputs do, except over `axis_name`, which the
-    mean removes: the state varies over the axes some state leaf varies over (none under
-    `train_step`, where it is replicated) and those of the params other than
-    `axis_name`'s; the params over those and their own.
+    The outer step's results vary where its inputs do, leaf by leaf, except over
+    `axis_name`, which the mean removes: the new params and anchor where the anchor and
+    the params' shard axes (a model axis they are split over) do, the outer state where
+    the outer optimizer takes them. Its abstract evaluation (`jax.eval_shape`, which runs
+    nothing) reads them; each operand is made to vary over its own axes and its
+    result's, and the evaluation is repeated on those until no type grows (a few rounds
+    at most: each adds axes). So a leaf replicated over a model axis stays replicated
+    over it, beside a leaf sharded over it; under `train_step`, whose state is
+    replicated, the anchor and outer state stay invariant and the params vary over the
+    data axes only.
     """
-    params, anchor, outer_state = operands
-    state_axes = _varying((anchor, outer_state)) | (
-        _varying(params) - set(_axes.axis_names(axis_name))
-    )
-    param_axes = _varying(params) | state_axes
-    return (
-        _vary_all(params, param_axes),
-        _vary_all(anchor, state_axes),
-        _vary_all(outer_state, state_axes),
-    )
+    while True:
+        results = jax.eval_shape(outer_step, operands)
+        joined = _typed_like(operands, results, join=True)
+        if _types(joined) == _types(operands):
+            return joined
+        operands = joined
 
 
-def _vary_all(tree: Any, axes: frozenset[str]) -> Any:
-    names = tuple(sorted(axes))
-    return jax.tree.map(lambda x: _axes.vary(x, names), tree) if names else tree
+def _types(tree: Any) -> list[frozenset[str]]:
+    return [_axes.varying_axes(x) for x in jax.tree.leaves(tree)]
 
 
-def _typed_like(new: Any, old: Any) -> Any:
-    """`new`, each leaf typed as varying over the axes of the matching leaf of `old`."""
-    return jax.tree.map(lambda n, o: _axes.vary(n, tuple(sorted(_axes.varying_axes(o)))), new, old)
+def _typed_like(new: Any, old: Any, *, join: bool = False) -> Any:
+    """`new`, each leaf typed as varying over the axes of the matching leaf of `old` (and,
+    with `join`, over its own besides). `old` may hold `jax.ShapeDtypeStruct`s."""
+
+    def typed(n: jax.Array, o: Any) -> jax.Array:
+        axes = _axes.varying_axes(o) | (_axes.varying_axes(n) if join else frozenset())
+        return _axes.vary(n, tuple(sorted(axes)))
+
+    return jax.tree.map(typed, new, old)
 
 
 def _cast_like(new: jax.Array, old: jax.Array) -> jax.Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks
+from gradcomm import _axes, _checks, _shards
 
 
 def apply_if_finite(
@@ -32,11 +32,19 @@ def apply_if_finite(
     transformation runs on every step, its result selected, so no device leaves a
     collective that another enters.
 
+    On a mesh with axes besides `axis_name` (tensor parallelism: inside `jax.shard_map` over
+    `('data', 'model')`, a leaf sharded over `'model'`), the flag is also reduced over the
+    axes the leaves are sharded over, read from their varying types (`check_vma=True`,
+    `shard_map`'s default; with `check_vma=False`, over every other axis of the map), in
+    the same `pmin`: a NaN in one piece of a tensor skips the step on every device that
+    holds a piece of it, so the pieces stay one model.
+
     Args:
       inner: the transformation to guard, typically a chain holding a gradcomm method.
       max_consecutive_errors: how many non-finite steps in a row are skipped; the next one
         is applied (a non-negative int).
-      axis_name: the mesh axis, or tuple of axes, the devices share the decision over.
+      axis_name: the mesh axis, or tuple of axes, the devices share the decision over
+        (and the axes some leaf is sharded over, besides).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is `optax.ApplyIfFiniteState`,
@@ -76,8 +84,10 @@ def apply_if_finite(
     def update_fn(
         updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.ApplyIfFiniteState]:
-        here = jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-        everywhere = lax.pmin(_axes.vary(here.astype(jnp.int32), axis_name), axis_name)
+        leaves = jax.tree.leaves(updates)
+        here = jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in leaves]))
+        axes = _decision_axes(leaves, axis_name)
+        everywhere = lax.pmin(_axes.vary(here.astype(jnp.int32), axes), axes)
         finite = everywhere == 1
         count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
         accept = finite | (count > max_consecutive_errors)
@@ -98,3 +108,21 @@ def apply_if_finite(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decision_axes(leaves: list[Any], axis_name: _axes.AxisName) -> _axes.AxisName:
+    """`axis_name`, and the mesh axes besides it over which some leaf is sharded.
+
+    The devices of a leaf's shard axes hold pieces of one tensor (tensor parallelism):
+    a NaN in one piece must make all of them skip, or the pieces of one model diverge.
+    Where `shard_map` runs with `check_vma=False` the types do not say which leaves are
+    sharded: then every other manual axis of the mesh, a superset that only makes more
+    devices agree.
+    """
+    others = _shards.other_manual_axes(axis_name)
+    if not others:
+        return axis_name
+    if all(name in _axes.varying_axes(lax.axis_index(name)) for name in others):
+        varying = frozenset().union(*(_axes.varying_axes(x) for x in leaves))
+        others = tuple(name for name in others if name in varying)
+    return (*_axes.axis_names(axis_name), *others) if others else axis_name

@@ -52,6 +52,20 @@ in the bits scheme each device appends one word to the chunk it gathers (its inp
 finite: bit 0; its chunk of the mean not finite: bit 1), 2 (N - 1) bytes per step; in the
 psum one more 16-bit element counts the devices whose inputs were not finite, 4 (N - 1) /
 N bytes per step. No collective is added.
+
+On a mesh with axes besides `axis_name` (tensor parallelism: inside `jax.shard_map` over
+`('data', 'model')`, a leaf split over `'model'` beside one replicated over it), each
+device exchanges its piece of a sharded leaf with the devices of the data axes that hold
+the same piece. The leaves go in one buffer per set of shard axes (the axes besides
+`axis_name` they vary over, `gradcomm._shards`): fused, a replicated leaf would come out
+typed as varying over the model axis. Each buffer's two flags are then reduced over its
+shard axes (one `pmax` of two words; on a mesh of data axes only, none), so that the
+overflow flag and count stay the same on every device. The bits, psum and pairwise
+schemes add each element in an order that does not depend on where it lies in the
+buffer, so a piece's mean is the whole tensor's, bit for bit. The ring starts each
+element's sum on a device set by its place in the buffer (as a leaf's bits there
+depend on the leaves before it): a piece's mean is the ring's sum of it, within the same
+bound, not always the same bits as the whole tensor's.
 """
 
 from __future__ import annotations
@@ -65,7 +79,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _collectives, _flat, _packing
+from gradcomm import _axes, _checks, _collectives, _flat, _packing, _shards
 
 DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 Exchange = Literal["auto", "bits", "pairwise", "psum", "ring"]
@@ -112,7 +126,9 @@ def low_precision(
     leaf's own dtype and is the same bits on every device; it is the mean rounded to
     `dtype` (so on one device, the update rounded to `dtype`). Like `gradcomm.allreduce`,
     place it before the optimizer to average gradients, or after it to average updates;
-    `gradcomm.allreduce(axis_name, dtype=...)` is this transformation.
+    `gradcomm.allreduce(axis_name, dtype=...)` is this transformation. Leaves sharded over
+    mesh axes besides `axis_name` (a model axis) keep their types, and the state stays
+    replicated over every axis (see the module docstring).
 
     Args:
       axis_name: the mesh axis, or tuple of axes, to average over.
@@ -182,16 +198,23 @@ def low_precision(
         live = [i for i, leaf in enumerate(leaves) if jnp.size(leaf)]
         if not live:
             return updates, LowPrecisionState(jnp.array(False), state.overflow_count)
-        xs = [jnp.asarray(leaves[i]) for i in live]
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
         how = _resolve(exchange, axis_name, n, wire)
-        if how == "psum":
-            means, overflow = _psum_mean(xs, finite, axis_name, n, wire)
+        groups = _shard_groups([(i, jnp.asarray(leaves[i])) for i in live], axis_name)
+        grouped = [[x for _, x in members] for _, members in groups]
+        if how == "psum":  # one variadic all-reduce for every buffer
+            results = list(zip(*_psum_mean(grouped, axis_name, n, wire), strict=True))
         else:
-            means, overflow = _bits_mean(xs, finite, axis_name, n, wire, how)
+            results = [_bits_mean(xs, _all_finite(xs), axis_name, n, wire, how) for xs in grouped]
         out = list(leaves)
-        for i, x, m in zip(live, xs, means, strict=True):
-            out[i] = m.reshape(x.shape).astype(x.dtype)
+        flags = []  # per buffer: (its mean is not finite, some inputs were not finite)
+        for (axes, members), (means, flag) in zip(groups, results, strict=True):
+            for (i, x), m in zip(members, means, strict=True):
+                out[i] = m.reshape(x.shape).astype(x.dtype)
+            # A sharded leaf's pieces on the devices of its shard axes make one tensor: the
+            # flags of the whole tensor, the same on each of them (the state is replicated).
+            flags.append(lax.pmax(flag, axes) if axes else flag)
+        mean_nonfinite = jnp.any(jnp.stack([f[0] for f in flags]))
+        overflow = mean_nonfinite & ~jnp.any(jnp.stack([f[1] for f in flags]))
         count = jnp.where(
             overflow, optax.safe_increment(state.overflow_count), state.overflow_count
         )
@@ -214,18 +237,57 @@ def _resolve(
     return "psum" if native else "bits"
 
 
-def _psum_mean(
-    xs: list[jax.Array], finite: jax.Array, axis_name: _axes.AxisName, n: int, wire: np.dtype
-) -> tuple[list[jax.Array], jax.Array]:
-    """The mean by one `psum` in `wire` of the leaves divided by n, and the overflow flag.
+def _shard_groups(
+    leaves: list[tuple[int, jax.Array]], axis_name: _axes.AxisName
+) -> list[tuple[tuple[str, ...], list[tuple[int, jax.Array]]]]:
+    """The (index, leaf) pairs by their shard axes, in first-seen order: one buffer each.
 
-    One more element counts the devices whose inputs were not finite; the leaves and it
-    travel in one (variadic) all-reduce.
+    A leaf's shard axes are the mesh axes besides `axis_name` that it varies over
+    (`gradcomm._shards`). The leaves travel in `wire` whatever their dtype, so dtype does
+    not split them (unlike `_flat.dtype_groups`); the varying axes do: fused with a leaf
+    sharded over a model axis, a leaf replicated over it would come out typed as varying
+    over it. Where `shard_map` runs with `check_vma=False` over axes besides `axis_name`,
+    the types say nothing: one buffer, its flags reduced over all those axes.
     """
-    scaled = [(x.astype(_axes.compute_dtype(x.dtype)) / n).astype(wire) for x in xs]
-    *sums, nonfinite_inputs = lax.psum((*scaled, jnp.where(finite, 0, 1).astype(wire)), axis_name)
-    mean_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(s)) for s in sums]))
-    return sums, ~mean_finite & (nonfinite_inputs == 0)
+    others = _shards.other_manual_axes(axis_name)
+    checked = all(name in _axes.varying_axes(lax.axis_index(name)) for name in others)
+    groups: dict[tuple[str, ...], list[tuple[int, jax.Array]]] = {}
+    for i, leaf in leaves:
+        varying = _axes.varying_axes(leaf)
+        axes = tuple(a for a in others if a in varying) if checked else others
+        groups.setdefault(axes, []).append((i, leaf))
+    return list(groups.items())
+
+
+def _all_finite(xs: list[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def _flags(mean_nonfinite: jax.Array, inputs_nonfinite: jax.Array) -> jax.Array:
+    """A buffer's flags, int32 `(2,)`: its mean is not finite; some device's inputs were not."""
+    return jnp.stack([mean_nonfinite, inputs_nonfinite]).astype(jnp.int32)
+
+
+def _psum_mean(
+    groups: list[list[jax.Array]], axis_name: _axes.AxisName, n: int, wire: np.dtype
+) -> tuple[list[list[jax.Array]], list[jax.Array]]:
+    """The means by one `psum` in `wire` of the leaves divided by n, and the flags, per group.
+
+    One more element per group counts the devices whose inputs in it were not finite; the
+    leaves and they travel in one (variadic) all-reduce, each operand keeping its type.
+    """
+    operands = []
+    for xs in groups:
+        operands += [(x.astype(_axes.compute_dtype(x.dtype)) / n).astype(wire) for x in xs]
+        operands.append(jnp.where(_all_finite(xs), 0, 1).astype(wire))
+    sums = lax.psum(tuple(operands), axis_name)
+    means, flags, start = [], [], 0
+    for xs in groups:
+        *group_sums, nonfinite_inputs = sums[start : start + len(xs) + 1]
+        start += len(xs) + 1
+        means.append(group_sums)
+        flags.append(_flags(~_all_finite(group_sums), nonfinite_inputs != 0))
+    return means, flags
 
 
 _INPUTS_NONFINITE, _CHUNK_NONFINITE = 1, 2  # the flag word's bits
@@ -247,7 +309,7 @@ def _bits_mean(
     `_collectives.reduce_scatter_pairwise` (over size-2 axes) and a gather by recursive
     doubling; each sum of two in float32, rounded to `wire`. (N - 1) / N of the buffer
     each way in all three. Returns the flat means of the leaves (in `wire`) and the
-    overflow flag.
+    flags (`_flags`).
     """
     sizes = [x.size for x in xs]
     total = sum(sizes)
@@ -280,8 +342,8 @@ def _bits_mean(
         _collectives.all_gather_pairwise if how == "pairwise" else _collectives.all_gather_invariant
     )
     gathered = gather(word, axis_name)  # (n, chunk + 1)
-    flags = gathered[:, chunk]
-    overflow = jnp.any(flags & _CHUNK_NONFINITE != 0) & jnp.all(flags & _INPUTS_NONFINITE == 0)
+    words = gathered[:, chunk]
+    flags = _flags(jnp.any(words & _CHUNK_NONFINITE != 0), jnp.any(words & _INPUTS_NONFINITE != 0))
     values = lax.bitcast_convert_type(gathered[:, :chunk].reshape(-1), wire)
     means = [values[start:end] for start, end in itertools.pairwise(_flat.offsets(sizes))]
-    return means, overflow
+    return means, flags

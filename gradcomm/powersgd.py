@@ -16,6 +16,12 @@ leaves), at `Precision.HIGHEST`; Q's columns are scaled by exact powers of two b
 `M Q`, and every column by its largest entry before its norm, so gradients near 1e-30 or
 1e30 in float32 neither under- nor overflow; Gram-Schmidt runs twice per column ("twice
 is enough"), so P stays orthonormal when M has rank below r.
+
+A leaf sharded over mesh axes other than the data axes (tensor parallelism, `specs=`) is
+treated as the whole matrix it is a piece of: where its rows are split, P's rows are split
+with them and orthogonalization sums its dot products over the shards; where its columns
+are split, `M Q` is summed over the shards and each device computes Q's rows for its own
+columns. Q itself stays whole, the same on every device.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec
 
-from gradcomm import _axes, _checks, _leafwise, _numeric, sparse
+from gradcomm import _axes, _checks, _leafwise, _numeric, _shards, sparse
 
 __all__ = ["PowerSgdState", "compresses", "matrix_shape", "orthogonalize", "powersgd"]
 
@@ -43,9 +50,11 @@ class PowerSgdState(NamedTuple):
     Attributes:
       q: a tuple with one `(n, rank)` array per compressed leaf, in the leaves' order, in
         float32 (float64 for float64 params): the previous step's Q, the same on every
-        device, from which the next power iteration starts. For params with no leaves at
-        all (`optax.tree_map_params` builds the state from such leafless placeholder
-        params, and needs it to be a prefix of the real one) a zero scalar stands in.
+        device, from which the next power iteration starts; n is the whole leaf's last
+        dimension, also where the leaf is split over a model axis (`powersgd`'s `specs`).
+        For params with no leaves at all (`optax.tree_map_params` builds the state from
+        such leafless placeholder params, and needs it to be a prefix of the real one) a
+        zero scalar stands in.
       residual: the error-feedback memory e, shaped and typed like the params. Leaves sent
         dense keep zeros there (a tree shaped like the params, which
         `optax.tree_map_params` maps, cannot hold None).
@@ -110,21 +119,28 @@ def _check_rate(value: Any) -> None:
         )
 
 
-def _inverse_scales(x: jax.Array, axis: int) -> jax.Array:
-    """Exact powers of two that bring the largest magnitude along `axis` into [0.5, 1]."""
-    _, inverse = _numeric.pow2_scale(jnp.max(jnp.abs(x), axis=axis))
+def _inverse_scales(x: jax.Array, axis: int, axes: tuple[str, ...] = ()) -> jax.Array:
+    """Exact powers of two that bring the largest magnitude along `axis` into [0.5, 1]; the
+    largest over the devices of `axes` (each holding a piece of `x` along `axis`)."""
+    peak = jnp.max(jnp.abs(x), axis=axis)
+    if axes:
+        peak = lax.pmax(peak, axes)
+    _, inverse = _numeric.pow2_scale(peak)
     return inverse
 
 
-def _normalize(c: jax.Array) -> jax.Array:
+def _normalize(c: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
     """`c / |c|`, scaled first so that the norm neither under- nor overflows; zero stays
-    zero, and a NaN or infinity gives NaN."""
-    c = c * _inverse_scales(c, 0)
-    norm = jnp.sqrt(jnp.sum(c * c))
+    zero, and a NaN or infinity gives NaN. `c` may be split over the devices of `axes`."""
+    c = c * _inverse_scales(c, 0, axes)
+    squares = jnp.sum(c * c)
+    if axes:
+        squares = lax.psum(squares, axes)
+    norm = jnp.sqrt(squares)
     return c / jnp.where(norm == 0, 1, norm)
 
 
-def orthogonalize(p: jax.Array) -> jax.Array:
+def orthogonalize(p: jax.Array, *, axes: str | Sequence[str] = ()) -> jax.Array:
     """Gram-Schmidt on the columns of `p` `(m, r)`, in order: orthonormal columns.
 
     Each column loses its projections on the earlier ones twice ("twice is enough"), so
@@ -134,11 +150,20 @@ def orthogonalize(p: jax.Array) -> jax.Array:
     scaling by an exact power of two, so columns near the limits of the float range
     neither under- nor overflow. NaN or infinity in `p` gives NaN.
 
+    Where `p`'s rows are split over devices (each device of the mesh axes `axes` holds some
+    of them, inside `jax.shard_map`), the column dot products, norms and scales are summed
+    (or maximized) over `axes`, so that each device gets its rows of the whole matrix's
+    result: 5 r - 2 small collectives over `axes` per call, none where `axes` is empty.
+
     Args:
-      p: a floating-point `(m, r)` array; compute in float32 or wider.
+      p: a floating-point `(m, r)` array, or this device's rows of one; compute in float32
+        or wider.
+      axes: the mesh axis, or tuple of axes, over which `p`'s rows are split; empty (the
+        default) where `p` is whole.
 
     Returns:
-      `p`'s orthonormalized columns (zero columns kept zero), in `p`'s dtype.
+      `p`'s orthonormalized columns (zero columns kept zero), in `p`'s dtype; this
+      device's rows of them where `axes` is given.
 
     Example:
       >>> import jax.numpy as jnp
@@ -149,16 +174,18 @@ def orthogonalize(p: jax.Array) -> jax.Array:
              [ 0.8,  0.6,  0. ],
              [ 0. ,  0. ,  0. ]], dtype=float32)
     """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
     columns: list[jax.Array] = []
     for j in range(p.shape[1]):
-        c = p[:, j] * _inverse_scales(p[:, j], 0)
+        c = p[:, j] * _inverse_scales(p[:, j], 0, axes)
         if columns:
             basis = jnp.stack(columns, axis=1)
             for _ in range(2):
-                c = c - jnp.matmul(
-                    basis, jnp.matmul(c, basis, precision=_HIGHEST), precision=_HIGHEST
-                )
-        columns.append(_normalize(c))
+                dots = jnp.matmul(c, basis, precision=_HIGHEST)
+                if axes:
+                    dots = lax.psum(dots, axes)
+                c = c - jnp.matmul(basis, dots, precision=_HIGHEST)
+        columns.append(_normalize(c, axes))
     return jnp.stack(columns, axis=1)
 
 
@@ -168,12 +195,53 @@ def _initial_q(seed: int, index: int, n: int, rank: int, dtype: np.dtype) -> jax
     return jax.random.normal(key, (n, rank), dtype)
 
 
+class _Split(NamedTuple):
+    """How a leaf is split over mesh axes beyond the data axes (empty where it is whole)."""
+
+    shape: tuple[int, ...]  # the whole leaf's
+    rows: tuple[str, ...]  # the axes splitting its matrix's rows (any dimension but the last)
+    cols: tuple[str, ...]  # the axes splitting its matrix's columns (its last dimension)
+
+
+def _split(
+    x: jax.Array, name: str, spec: PartitionSpec | None, axis_name: _axes.AxisName
+) -> _Split:
+    """`x`'s `_Split`, from its varying type (`_shards.shard_axes`) and its spec."""
+    shape = tuple(int(d) for d in np.shape(x))
+    axes = _shards.shard_axes(x, axis_name, "powersgd")
+    if not axes or len(shape) < 2:  # whole, or a vector: averaged elementwise
+        return _Split(shape, (), ())
+    if spec is None:
+        raise ValueError(
+            f"powersgd: leaf {name!r} is sharded over mesh axes {axes}, and powersgd needs to "
+            f"know which of its dimensions they split (the whole leaf's matrix, and which "
+            f"factor sums over them): pass specs=, a pytree of the params' PartitionSpecs "
+            f"(the in_specs of shard_map)"
+        )
+    dims = _shards.dim_axes(spec, len(shape), set(_axes.axis_names(axis_name)))
+    named = {n for d in dims for n in d}
+    if named != set(axes):
+        raise ValueError(
+            f"powersgd: leaf {name!r} varies over mesh axes {axes} besides the data axes, but "
+            f"its spec {spec} splits it over {sorted(named)}: pass the params' PartitionSpecs "
+            f"as specs="
+        )
+    whole = tuple(size * _shards.num_shards(d) for size, d in zip(shape, dims, strict=True))
+    return _Split(whole, tuple(n for d in dims[:-1] for n in d), dims[-1])
+
+
+def _piece_start(split: _Split, n_local: int) -> jax.Array:
+    """Where this device's columns start in the whole leaf's last dimension."""
+    return lax.axis_index(split.cols) * n_local
+
+
 def powersgd(
     axis_name: _axes.AxisName = "data",
     rank: int = 2,
     *,
     min_compression_rate: float = 2.0,
     seed: int = 0,
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """PowerSGD: the devices' mean gradient as a rank-`rank` approximation, with error feedback.
 
@@ -213,6 +281,30 @@ def powersgd(
     NaN from then on: guard the step with `gradcomm.apply_if_finite`, which skips it on
     every device and keeps the state.
 
+    Tensor parallelism (`specs`): inside `jax.shard_map` over a mesh such as `('data',
+    'model')`, a leaf split over `'model'` is a piece of a larger tensor, and powersgd
+    computes what it computes on the whole tensor over `axis_name` alone: the whole shape
+    decides `compresses`, Q is the whole `(n, rank)` one (the unsharded leaf's first draw,
+    the same on every device), and each device gets its piece of `P Q^T` and keeps its
+    piece of the residual. Where the matrix's rows are split (any dimension but the last;
+    a middle one splits them into strided subsets, which changes nothing), each device
+    holds its rows of P, `orthogonalize` sums its dot products over the split axes, and
+    `Q = pmean(psum(M^T P))`. Where its columns (the last dimension) are split, `P =
+    pmean(psum(M Q))` over them, each device computes the rows of Q for its columns, and
+    a psum over the split axes puts the whole Q together. Per device, a leaf split k
+    ways by rows all-reduces `rank * (m / k + n)` numbers over `axis_name` (`rank * (m +
+    n)` unsplit), one split by columns `rank * (m + n / k)`: the factor that is not split
+    is whole on every device of the model axes, and each of them sends it. Over the model
+    axes: per row-split leaf, `5 rank - 2` scalar or `rank`-sized collectives
+    (`orthogonalize`) and a psum of the `(n, rank)` Q; per column-split one, a psum of
+    the `(m, rank)` P and one of the `(n, rank)` Q. The shard axes are read from the
+    leaves' types (`shard_map`'s default `check_vma=True`); with `check_vma=False` on a
+    mesh with axes beyond `axis_name`, `init` and `update` raise. Call `init` inside the
+    same `shard_map` on each device's pieces of the params (the specs' axes are then
+    bound, and the whole shapes known), or outside any map on the whole params: either
+    gives the whole Q's, and residuals shaped like the params it sees (split them like
+    the params when the state enters the map).
+
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
       rank: r, the rank of the approximation: a compressed m x n leaf sends r (m + n)
@@ -220,16 +312,24 @@ def powersgd(
       min_compression_rate: leaves whose compression rate `m n / (rank (m + n))` does
         not exceed it are sent dense (PyTorch's default, 2).
       seed: seed of the first Q.
+      specs: None, or a pytree of `PartitionSpec`s shaped like the params: the `in_specs`
+        of `shard_map` for them. Needed for leaves of two or more dimensions split over
+        mesh axes other than `axis_name`'s (tensor parallelism), where which dimension is
+        split decides the algebra; entries naming `axis_name`'s axes are ignored, and a
+        None stands for a leaf without one.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `PowerSgdState`.
 
     Raises:
       ValueError: at construction for a malformed axis name, a rank that is not a
-        positive int, a min_compression_rate that is not a positive number, or a seed
-        that is not an int (these shape the program: with `optax.inject_hyperparams`,
-        pass them in `static_args`); at trace time for an unbound axis, a non-floating
-        leaf, or a state built for params of other shapes.
+        positive int, a min_compression_rate that is not a positive number, a seed that
+        is not an int (these shape the program: with `optax.inject_hyperparams`, pass
+        them in `static_args`), or specs holding anything but PartitionSpecs; at trace
+        time for an unbound axis, a non-floating leaf, a state built for params of other
+        shapes, a leaf of two or more dimensions split over a model axis with no spec in
+        `specs` (or one that names other axes than it is split over), or `shard_map` with
+        `check_vma=False` on a mesh with axes beyond `axis_name`.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -255,65 +355,105 @@ def powersgd(
     _checks.check_int(rank, "rank", minimum=1)
     _check_rate(min_compression_rate)
     _checks.check_int(seed, "seed")
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    for spec in jax.tree.leaves(specs, is_leaf=is_spec):
+        if not is_spec(spec):
+            raise ValueError(
+                f"specs must be None or a pytree of PartitionSpecs shaped like the params "
+                f"(the in_specs of shard_map), but it holds {spec!r}"
+            )
 
-    def compressed_ids(leaves: Sequence[Any]) -> list[int]:
+    def compressed_ids(shapes: Sequence[tuple[int, ...]]) -> list[int]:
         return [
-            i
-            for i, leaf in enumerate(leaves)
-            if compresses(np.shape(leaf), rank, min_compression_rate)
+            i for i, shape in enumerate(shapes) if compresses(shape, rank, min_compression_rate)
+        ]
+
+    def splits_of(leaves: list[Any], names: list[str], tree: Any) -> list[_Split]:
+        """Each leaf's `_Split`; all whole where no mesh axis beyond the data axes is bound
+        (outside `shard_map`, or inside one over the data axes only)."""
+        if not _shards.other_manual_axes(axis_name):
+            return [_Split(tuple(int(d) for d in np.shape(x)), (), ()) for x in leaves]
+        flat = _shards.leaf_specs(specs, tree, "powersgd")
+        return [
+            _split(x, name, spec, axis_name)
+            for x, name, spec in zip(leaves, names, flat, strict=True)
         ]
 
     def init_fn(params: Any) -> PowerSgdState:
-        leaves = jax.tree.leaves(params)
+        paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        leaves = [leaf for _, leaf in paths_leaves]
         residual = jax.tree.map(jnp.zeros_like, params)
         if not leaves:  # leafless params (optax.tree_map_params' placeholder)
             return PowerSgdState(q=jnp.zeros([], jnp.float32), residual=residual)
+        names = _checks.leaf_names([path for path, _ in paths_leaves])
+        splits = splits_of(leaves, names, params)
         qs = []
-        for i in compressed_ids(leaves):
-            _, n = matrix_shape(np.shape(leaves[i]))
+        for i in compressed_ids([split.shape for split in splits]):
+            _, n = matrix_shape(splits[i].shape)
             dtype = _axes.compute_dtype(jnp.result_type(leaves[i]))
             qs.append(_initial_q(seed, i, n, rank, dtype))
         return PowerSgdState(q=tuple(qs), residual=residual)
 
-    def check_state(leaves: list[jax.Array], ids: list[int], state: PowerSgdState) -> None:
-        """Raises unless the state was built from params shaped like `leaves`."""
+    def check_residuals(leaves: list[jax.Array], state: PowerSgdState) -> None:
+        """Raises unless the residuals are shaped like `leaves`."""
         shapes = [tuple(np.shape(x)) for x in leaves]
         residuals = [tuple(np.shape(x)) for x in jax.tree.leaves(state.residual)]
+        if residuals != shapes:
+            raise ValueError(
+                f"powersgd's state was built for other params (residuals shaped "
+                f"{residuals}) than these updates (shaped {shapes}): build the state with "
+                f"tx.init(params) from params shaped like the updates"
+            )
+
+    def check_qs(splits: list[_Split], ids: list[int], state: PowerSgdState) -> None:
+        """Raises unless the Q's are those of params shaped like the (whole) leaves."""
+        shapes = [split.shape for split in splits]
         want = [(matrix_shape(shapes[i])[1], rank) for i in ids]
         standin = not isinstance(state.q, tuple)  # leafless params
         got = None if standin else [tuple(np.shape(x)) for x in state.q]
-        if residuals != shapes or (got != want and not (standin and not leaves)):
+        if got != want and not (standin and not splits):
             raise ValueError(
-                f"powersgd's state was built for other params (residuals shaped "
-                f"{residuals}, Q's {got}) than these updates (shaped {shapes}, needing "
-                f"Q's {want}): build the state with tx.init(params) from params shaped "
-                f"like the updates"
+                f"powersgd's state was built for other params (Q's {got}) than these "
+                f"updates (whole leaves shaped {shapes}, needing Q's {want}): build the "
+                f"state with tx.init(params) from params shaped like the updates"
             )
 
     def step(
         leaves: list[jax.Array], names: list[str], state: PowerSgdState
     ) -> tuple[list[jax.Array], PowerSgdState]:
-        del names
         _axes.axis_size(axis_name)  # a clear error where the axis is not bound
-        ids = compressed_ids(leaves)
-        check_state(leaves, ids, state)
+        check_residuals(leaves, state)
+        structure = jax.tree.structure(state.residual)
+        splits = splits_of(leaves, names, jax.tree.unflatten(structure, leaves))
+        ids = compressed_ids([split.shape for split in splits])
+        check_qs(splits, ids, state)
         residuals = jax.tree.leaves(state.residual)
         old_qs = state.q if ids else ()  # () for the leafless params' stand-in
         dense_ids = [i for i in range(len(leaves)) if i not in set(ids)]
         ms, ps = [], []
         with jax.named_scope("compress"):
             for i, q in zip(ids, old_qs, strict=True):
+                split = splits[i]
                 ct = _axes.compute_dtype(jnp.result_type(leaves[i], residuals[i], q))
                 acc = sparse.accumulate(residuals[i].astype(ct), leaves[i].astype(ct))
                 ms.append(acc.reshape(matrix_shape(leaves[i].shape)))
                 q = q.astype(ct)
-                ps.append(jnp.matmul(ms[-1], q * _inverse_scales(q, 0), precision=_HIGHEST))
+                q = q * _inverse_scales(q, 0)
+                if split.cols:  # the rows of Q for this device's columns
+                    n_local = ms[-1].shape[1]
+                    q = lax.dynamic_slice_in_dim(q, _piece_start(split, n_local), n_local)
+                p = jnp.matmul(ms[-1], q, precision=_HIGHEST)
+                ps.append(lax.psum(p, split.cols) if split.cols else p)
         with jax.named_scope("exchange"):
             means = lax.pmean([leaves[i] for i in dense_ids] + ps, axis_name)
         dense, ps = means[: len(dense_ids)], means[len(dense_ids) :]
         with jax.named_scope("compress"):
-            ps = [orthogonalize(p) for p in ps]
-            local_qs = [jnp.matmul(m.T, p, precision=_HIGHEST) for m, p in zip(ms, ps, strict=True)]
+            ps = [orthogonalize(p, axes=splits[i].rows) for i, p in zip(ids, ps, strict=True)]
+            local_qs = []
+            for i, m, p in zip(ids, ms, ps, strict=True):
+                local_q = jnp.matmul(m.T, p, precision=_HIGHEST)
+                rows = splits[i].rows
+                local_qs.append(lax.psum(local_q, rows) if rows else local_q)
         with jax.named_scope("exchange"):
             new_qs = lax.pmean(local_qs, axis_name)
         out, new_residuals, kept_qs = list(leaves), list(residuals), []
@@ -322,12 +462,17 @@ def powersgd(
                 approx = jnp.matmul(p, q.T, precision=_HIGHEST)
                 out[i] = approx.astype(leaves[i].dtype).reshape(leaves[i].shape)
                 new_residuals[i] = sparse.as_residual(m - approx, residuals[i])
+                if splits[i].cols:  # the whole Q, from every device's rows of it
+                    start = _piece_start(splits[i], q.shape[0])
+                    whole = jnp.zeros(old.shape, q.dtype)
+                    q = lax.psum(
+                        lax.dynamic_update_slice_in_dim(whole, q, start, 0), splits[i].cols
+                    )
                 # A zero column of Q would stay zero in every later step: keep the old one.
                 kept = jnp.where(jnp.any(q != 0, axis=0), q, old.astype(q.dtype))
                 kept_qs.append(kept.astype(old.dtype))
             for i, mean in zip(dense_ids, dense, strict=True):
                 out[i] = mean
-        structure = jax.tree.structure(state.residual)
         new_state = PowerSgdState(
             q=tuple(kept_qs) if ids else state.q,
             residual=jax.tree.unflatten(structure, new_residuals),

@@ -11,6 +11,12 @@ optimizer's step, and returns a value that is the same bits on every device:
 
 `gradcomm.parallel.train_step(..., sync=...)` runs that line for you; a hand-written
 `shard_map` loop adds it. `average_params` is the exact mean on its own.
+
+On a mesh with axes besides the data axes (tensor parallelism: inside `jax.shard_map` over
+`('data', 'model')`, params split over `'model'` beside params replicated over it), the
+mean is elementwise: each device averages its piece with the same piece on the other
+devices of the data axes, which is the whole tensor's mean, bit for bit, and each leaf
+keeps its type (a param replicated over `'model'` stays replicated over it).
 """
 
 from __future__ import annotations

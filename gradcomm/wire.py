@@ -29,6 +29,12 @@ conditionals in full:
 - `average`: the mean over `period` steps after the warm-ups (`period` the least common
   multiple of the every's), each periodic branch weighted by 1/k.
 
+On a mesh, each collective also names the mesh axes its replica groups span (those along
+which its members' coordinates differ: a psum over "data" of a ("data", "model") mesh
+spans ("data",)), and `WireReport.by_axes` sums the bytes per set of axes. `measure`
+learns the mesh from the compiled program's shardings or its arguments'; `analyze_hlo`
+takes it as an argument.
+
 A conditional whose branches name nothing (a user's `lax.cond`) costs its largest branch
 in all three, so it is never under-counted; in one that is named, a branch that names
 nothing runs on the other steps. Nested conditionals compose, and a conditional in a
@@ -68,10 +74,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 # The program is read by _hlo, costed and its branches weighted by _wire_cost; the report
 # classes are _wire_report's.
@@ -90,6 +98,9 @@ __all__ = [
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+# A mesh as `analyze_hlo` takes it: a jax mesh, or its axis names and sizes in mesh order.
+MeshLike = Mesh | AbstractMesh | Mapping[str, int]
 
 
 class Scope(Protocol):
@@ -152,7 +163,7 @@ def branch(label: str, *, every: int | None = None, first: int | None = None) ->
     return jax.named_scope(_hlo.scope_name(label, every, first))
 
 
-def analyze_hlo(text: str) -> WireReport:
+def analyze_hlo(text: str, mesh: MeshLike | None = None) -> WireReport:
     """Costs every collective in an HLO module's text (`compiled.as_text()`).
 
     What `measure` does once it has compiled: use it on a program compiled elsewhere, or
@@ -160,12 +171,17 @@ def analyze_hlo(text: str) -> WireReport:
 
     Args:
       text: the optimized HLO, with its metadata (where `branch` names live).
+      mesh: the mesh the program runs on, for each collective's `axes` and `by_axes`: a
+        `jax.sharding.Mesh`, an `AbstractMesh` or a dict of axis sizes in mesh order. The
+        device ids of the replica groups are taken as row-major positions in it
+        (`mesh.devices.flat`), as jit compiles for a mesh. None: the axes are unknown.
 
     Returns:
       A `WireReport`.
 
     Raises:
-      ValueError: if the text has no ENTRY computation.
+      ValueError: if the text has no ENTRY computation, or `mesh` has not as many devices
+        as the program.
 
     Example:
       >>> from gradcomm import wire
@@ -184,12 +200,21 @@ def analyze_hlo(text: str) -> WireReport:
       >>> report = wire.analyze_hlo(text)  # two pairs of devices each sum 4000 bytes
       >>> [(c.kind, c.group_size, c.sent) for c in report.collectives], report.devices
       ([('all-reduce', 2, 4000.0)], 4)
+      >>> wire.analyze_hlo(text, mesh={"data": 2, "model": 2}).by_axes()  # {0,1}: "model"
+      {('model',): 4000.0}
     """
-    return _wire_cost.analyze(text)
+    layout = None if mesh is None else _wire_cost.Layout.of(_axis_sizes(mesh))
+    return _wire_cost.analyze(text, layout)
 
 
 def measure(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
     """Compiles `fn(*args, **kwargs)` and reports the bytes each device sends per call.
+
+    The mesh that names each collective's `axes` is the one of the compiled program's
+    input and output `NamedSharding`s, else of the arguments' shardings, else the context
+    mesh (`jax.sharding.set_mesh`), of those with as many devices as the program: the one
+    with the most axes of size > 1 where they differ. Where none is found, the axes are
+    unknown (None); `analyze_hlo` on `lower(...).compile().as_text()` takes a mesh.
 
     Args:
       fn: a jitted function, a function with a `.lower` method (such as the step from
@@ -208,8 +233,48 @@ def measure(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
       >>> psum = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
       ...                      in_specs=P("data"), out_specs=P())
       >>> x = jax.ShapeDtypeStruct((4, 1000), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-      >>> wire.measure(psum, x).total  # a ring all-reduce of 4000 bytes: 2 (n - 1) / n of it
+      >>> report = wire.measure(psum, x)
+      >>> report.total  # a ring all-reduce of 4000 bytes: 2 (n - 1) / n of it
       6000.0
+      >>> report.by_axes()
+      {('data',): 6000.0}
     """
     lower = getattr(fn, "lower", None) or jax.jit(fn).lower
-    return _wire_cost.analyze(lower(*args, **kwargs).compile().as_text())
+    compiled = lower(*args, **kwargs).compile()
+    text = compiled.as_text()
+    return _wire_cost.analyze(text, _program_layout(compiled, (args, kwargs), text))
+
+
+def _axis_sizes(mesh: MeshLike) -> dict[str, int]:
+    """A mesh's axis sizes by name, in mesh order."""
+    return dict(mesh.shape if isinstance(mesh, Mesh | AbstractMesh) else mesh)
+
+
+def _program_layout(compiled: Any, args: Any, text: str) -> _wire_cost.Layout | None:
+    """The layout of the mesh a compiled program runs on, found as `measure` says (None
+    where none fits)."""
+    devices = _hlo.device_count(text)
+    try:  # the program's device assignment, whose positions the replica groups name
+        assignment = [d.id for d in compiled.runtime_executable().local_devices()]
+    except Exception:  # a runtime without one: the mesh's row-major order is assumed
+        assignment = []
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    shardings += [getattr(x, "sharding", None) for x in jax.tree.leaves(args)]
+    meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+    meshes += [jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()]
+    found = []
+    for mesh in meshes:
+        sizes = _axis_sizes(mesh)
+        if not sizes or math.prod(sizes.values()) != devices:
+            continue
+        positions = None
+        if isinstance(mesh, Mesh) and len(assignment) == devices:
+            where = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+            if not set(assignment) <= where.keys():
+                continue  # another mesh's devices
+            positions = [where[d] for d in assignment]
+        found.append((sum(size > 1 for size in sizes.values()), sizes, positions))
+    if not found:
+        return None
+    _, sizes, positions = max(found, key=lambda f: f[0])  # the first of the finest
+    return _wire_cost.Layout.of(sizes, positions)

@@ -212,3 +212,77 @@ def test_bad_arguments_raise():
         sync.init(jnp.ones(3, jnp.int32))
     with pytest.raises(ValueError, match="not bound"):
         jax.vmap(lambda q: sync.update(q, sync.init(q)), axis_name="other")(jnp.ones((2, 3)))
+
+
+# A tensor-parallel mesh (issue 27): params sharded over 'model' by rows and by columns,
+# beside one replicated over it.
+TP_SPECS = {"w": P("model", None), "c": P(None, "model"), "b": P()}
+TP_SHAPES = {"w": (8, 6), "c": (5, 4), "b": (6,)}
+
+
+def tp_meshes():
+    """The (data 4, model 2) mesh, and the 1-D mesh of its 4 data devices."""
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    two = jax.make_mesh((4, 2), ("data", "model"), axis_types=explicit)
+    one = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=explicit[:1])
+    return two, one
+
+
+def tp_run(sync, mesh, specs, replicated_state, steps=4):
+    """`steps` of per-device SGD on random gradients from the same params, each followed
+    by `sync.update`, in a hand-written `shard_map` loop: the params after each step,
+    (steps, data device, ...), and the final sync state. The state is initialised inside
+    the map from the per-device params, or (`replicated_state`) outside it and passed in
+    and out replicated over the data devices, as `train_step` keeps it."""
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in TP_SHAPES.items()}
+    grads = {k: rng.standard_normal((steps, 4, *s)) for k, s in TP_SHAPES.items()}
+    grads = {k: g.astype(np.float32) for k, g in grads.items()}
+    param_specs = {k: P("data", *specs[k]) for k in params}
+    grad_specs = {k: P(None, "data", *specs[k]) for k in params}
+    state = sync.init(params)
+    by_shape = {s: specs[k] for k, s in TP_SHAPES.items()}  # the shapes are distinct
+    state_specs = jax.tree.map(lambda x: by_shape.get(x.shape, P()), state)
+
+    def loop(p, g, state):
+        p = {k: x[0] for k, x in p.items()}
+        if not replicated_state:
+            state = sync.init(p)
+        history = []
+        for t in range(steps):
+            p = {k: p[k] - np.float32(0.1) * g[k][t, 0] for k in p}
+            p, state = sync.update(p, state)
+            history.append({k: x[None] for k, x in p.items()})
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *history), (
+            state if replicated_state else None
+        )
+
+    fn = jax.shard_map(
+        loop,
+        mesh=mesh,
+        in_specs=(param_specs, grad_specs, state_specs),
+        out_specs=(grad_specs, state_specs if replicated_state else None),
+    )
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    per_device = {k: np.broadcast_to(v, (4, *v.shape)) for k, v in params.items()}
+    placed = jax.tree.map(put, (per_device, grads, state), (param_specs, grad_specs, state_specs))
+    return jax.tree.map(np.asarray, jax.jit(fn)(*placed))
+
+
+@pytest.mark.parametrize("replicated_state", [False, True], ids=["in-map", "replicated"])
+@pytest.mark.parametrize("outer", ["nesterov", "adam"])
+def test_params_sharded_over_a_model_axis(outer, replicated_state):
+    """On a (data 4, model 2) mesh, params sharded over 'model' beside one replicated over
+    it: each param and state leaf keeps its type (the replicated ones leave the map as
+    replicated over 'model', the state as replicated over every axis it is) and the
+    params and the state are the bits of the whole tensors on the 4 data devices: the
+    outer optimizers, elementwise, give each piece the whole tensor's piece of the step."""
+    two, one = tp_meshes()
+    outer = None if outer == "nesterov" else optax.adam(0.5)
+    sync = diloco("data", outer=outer, every=2)
+    got, got_state = tp_run(sync, two, TP_SPECS, replicated_state)
+    want, want_state = tp_run(sync, one, {k: P() for k in TP_SPECS}, replicated_state)
+    jax.tree.map(np.testing.assert_array_equal, (got, got_state), (want, want_state))
+    for k in TP_SHAPES:
+        assert (got[k][1::2] == got[k][1::2, :1]).all()  # outer steps: every device's
+        assert not (got[k][0] == got[k][0, :1]).all()  # inner steps: each its own

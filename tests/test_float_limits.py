@@ -110,3 +110,55 @@ def test_gossip_keeps_float64(overlap):
                 m = graph.mixing_matrix(t)
                 x, w = m @ x, m @ w
             np.testing.assert_allclose(np.asarray(p), x / w[:, None], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_nan_in_one_model_shard_skips_the_step_everywhere(check_vma):
+    """`apply_if_finite` on a (data 4, model 2) mesh: a NaN in one piece of a leaf sharded
+    over 'model' (on one data device) skips the step on all 8 devices, the leaf replicated
+    over 'model' keeps its type, and each step's updates and state are those of the whole
+    tensors on the 4 data devices alone. With `check_vma=False` the flag is reduced over
+    'model' all the same."""
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    explicit = (AxisType.Explicit,) * 2
+    two = jax.make_mesh((4, 2), ("data", "model"), axis_types=explicit)
+    one = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=explicit[:1])
+    rng = np.random.default_rng(0)
+    grads = {"w": rng.standard_normal((2, 4, 4, 3)), "b": rng.standard_normal((2, 4, 3))}
+    grads = {k: v.astype(np.float32) for k, v in grads.items()}
+    grads["w"][0, 1, 3, 0] = np.nan  # step 0, data device 1, a row of model device 1
+    tx = gradcomm.apply_if_finite(optax.chain(gradcomm.allreduce("data"), optax.sgd(1.0)), 3)
+
+    def run(mesh, specs, check_vma=True):
+        leaf_specs = {k: P(None, "data", *specs[k]) for k in grads}
+        every = P(None, tuple(mesh.axis_names))
+
+        def body(g):
+            g = {k: x[:, 0] for k, x in g.items()}
+            state = tx.init({k: x[0] for k, x in g.items()})
+            outs, counts = [], []
+            for t in range(2):
+                out, state = tx.update({k: x[t] for k, x in g.items()}, state)
+                outs.append({k: x[None] for k, x in out.items()})
+                counts.append(state.notfinite_count[None])
+            return jax.tree.map(lambda *xs: jnp.stack(xs), *outs), jnp.stack(counts)
+
+        f = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(leaf_specs,),
+            out_specs=(leaf_specs, every),
+            check_vma=check_vma,
+        )
+        put = lambda k, v: jax.device_put(v, NamedSharding(mesh, leaf_specs[k]))  # noqa: E731
+        return jax.tree.map(np.asarray, jax.jit(f)({k: put(k, v) for k, v in grads.items()}))
+
+    got, counts = run(two, {"w": P("model", None), "b": P()}, check_vma)
+    want, _ = run(one, {"w": P(), "b": P()})
+    for k in grads:
+        np.testing.assert_array_equal(got[k][0], 0.0)  # skipped on every device
+        np.testing.assert_array_equal(got[k], want[k])
+    assert (counts[0] == 1).all() and (counts[1] == 0).all()

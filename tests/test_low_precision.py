@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradcomm
 from gradcomm import parallel, wire
-from gradcomm.low_precision import LowPrecisionState, low_precision
+from gradcomm.low_precision import EXCHANGES, LowPrecisionState, low_precision
 
 BF16, F16 = np.dtype(jnp.bfloat16), np.dtype(np.float16)
 UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11}
@@ -493,3 +493,98 @@ def test_auto_on_gloo_is_pairwise_at_two_and_the_ring_above(monkeypatch):
     fn = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")
     text = str(jax.make_jaxpr(fn)(jnp.ones((4, 3))))
     assert "psum" in text and "ppermute" not in text
+
+
+# A tensor-parallel mesh: leaves sharded over 'model' (by rows, by columns; one float16)
+# beside one replicated over it (issue 27).
+MODEL_SPECS = {"rows": P("model", None), "cols": P(None, "model"), "half": P("model"), "bias": P()}
+MODEL_SHAPES = {"rows": (8, 6), "cols": (5, 4), "half": (6,), "bias": (7,)}
+
+
+def _model_rows(seed, big=None):
+    rng = np.random.default_rng(seed)
+    rows = {
+        k: rng.standard_normal((4, *s)).astype(np.float16 if k == "half" else np.float32)
+        for k, s in MODEL_SHAPES.items()
+    }
+    if big is not None:  # on data device 1, in the rows of model device 1 only
+        rows["rows"][1, -1, 0] = big
+    return rows
+
+
+def _on_mesh(exchange, mesh, data, specs, rows):
+    """Both formats' means, each leaf whole (data device, ...), and every device's flag."""
+    txs = {d.name: low_precision(data, d, exchange) for d in (BF16, F16)}
+    leaf_specs = {k: P(data, *specs[k]) for k in rows}
+    every = P(tuple(mesh.axis_names))
+
+    def body(t):
+        t = {k: x[0] for k, x in t.items()}
+        out = {}
+        for name, tx in txs.items():
+            mean, state = tx.update(t, tx.init(t))
+            out[name] = ({k: x[None] for k, x in mean.items()}, state.overflow[None])
+        return out
+
+    out_specs = {name: (leaf_specs, every) for name in txs}
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(leaf_specs,), out_specs=out_specs))
+    placed = {k: jax.device_put(x, NamedSharding(mesh, leaf_specs[k])) for k, x in rows.items()}
+    return jax.tree.map(np.asarray, step(placed))
+
+
+def _model_meshes(exchange):
+    """(data axes, the (data 4, model 2) mesh, the 1-D mesh of the 4 data devices)."""
+    explicit = jax.sharding.AxisType.Explicit
+    if exchange == "pairwise":  # size-2 data axes
+        names, sizes = ("data0", "data1"), (2, 2)
+    else:
+        names, sizes = ("data",), (4,)
+    two = jax.make_mesh((*sizes, 2), (*names, "model"), axis_types=(explicit,) * (len(names) + 1))
+    one = jax.make_mesh(
+        sizes, names, devices=jax.devices()[:4], axis_types=(explicit,) * len(names)
+    )
+    return (names if len(names) > 1 else names[0]), two, one
+
+
+def _ring_on_model_axis(rows, wire):
+    """The ring's model where the leaves sharded over 'model' are one buffer per model
+    device (its pieces, in tree order) and the replicated one another."""
+    whole = ring_scheme({"bias": rows["bias"]}, wire)
+    pieces = []
+    for m in range(2):
+        piece = {
+            "cols": np.split(rows["cols"], 2, axis=2)[m],
+            "half": np.split(rows["half"], 2, axis=1)[m],
+            "rows": np.split(rows["rows"], 2, axis=1)[m],
+        }
+        pieces.append(ring_scheme(piece, wire))
+    for key, axis in (("cols", 1), ("half", 0), ("rows", 0)):
+        whole[key] = np.concatenate([p[key] for p in pieces], axis=axis)
+    return whole
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_leaves_sharded_over_a_model_axis(exchange):
+    """On a (data 4, model 2) mesh, with leaves sharded over 'model' beside one replicated
+    over it, every exchange keeps each leaf's type (the replicated one leaves the map as
+    replicated over 'model', the state as replicated over every axis) and gives the bits
+    of the whole tensors on the 4 data devices alone: the scheme is elementwise. The ring
+    is too, but which device starts an element's sum depends on where the element lies
+    in the buffer, and a piece lies elsewhere than in the whole tensor: it gives the
+    ring's model of the buffers it exchanges, the replicated leaf and each model device's
+    pieces. A float16 overflow in one model shard is flagged on every device."""
+    data, two, one = _model_meshes(exchange)
+    rows = _model_rows(seed=40)
+    got = _on_mesh(exchange, two, data, MODEL_SPECS, rows)
+    want = _on_mesh(exchange, one, data, {k: P() for k in MODEL_SPECS}, rows)
+    for dtype in (BF16, F16):
+        (mean, overflow), (whole, _) = got[dtype.name], want[dtype.name]
+        model = _ring_on_model_axis(rows, dtype) if exchange == "ring" else None
+        for key, x in rows.items():
+            assert mean[key].dtype == x.dtype and _same_bits(mean[key]), (dtype, key)
+            expected = whole[key] if model is None else model[key].astype(x.dtype)[None]
+            np.testing.assert_array_equal(mean[key], np.broadcast_to(expected, x.shape))
+        assert not overflow.any()
+    big = _on_mesh(exchange, two, data, MODEL_SPECS, _model_rows(seed=41, big=7e5))
+    assert big[F16.name][1].all()  # the mean 1.75e5 overflows float16 on all 8 devices
+    assert not big[BF16.name][1].any()

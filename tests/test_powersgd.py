@@ -375,6 +375,147 @@ def test_wire_bytes_are_two_all_reduces_of_the_factors():
 
 
 # ------------------------------------------------------------------------------------------
+# Leaves sharded over model axes (tensor parallelism): the whole tensor's result
+
+# A (data 2, a 2, b 2) mesh: rows split over a, columns over (b, a) (b the major one), a
+# middle dimension over (a, b), both rows and columns, and a vector over b. The whole
+# leaves are compressed (min_compression_rate 1); each must get its piece of the whole
+# leaf's PowerSGD over the data axis alone.
+TP_SPECS = {
+    "rows": P("a", None),
+    "cols": P(None, ("b", "a")),
+    "mid": P(None, ("a", "b"), None),
+    "both": P("a", "b"),
+    "vec": P("b"),
+}
+TP_SHAPES = {"rows": (8, 6), "cols": (6, 8), "mid": (3, 4, 5), "both": (8, 8), "vec": (6,)}
+TP_STEPS = 3  # the first of zeros
+
+
+@functools.cache
+def tp_meshes():
+    explicit = (jax.sharding.AxisType.Explicit,) * 3
+    whole = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=explicit[:1])
+    split = jax.make_mesh((2, 2, 2), ("data", "a", "b"), axis_types=explicit)
+    return whole, split
+
+
+def tp_grads(dtype):
+    rng = np.random.default_rng(11)
+    grads = {k: rng.standard_normal((TP_STEPS, 2, *s)) for k, s in TP_SHAPES.items()}
+    for g in grads.values():
+        g[0] = 0  # a step of zero gradients first
+    return {k: g.astype(dtype) for k, g in grads.items()}
+
+
+def tp_run(tx, mesh, specs, grads):
+    """TP_STEPS updates per device under shard_map over every mesh axis: the outputs
+    `(steps, devices, ...)`, each step's Q's `(steps, n, rank)` and the last residuals."""
+    lead = {k: P(None, "data", *specs[k]) for k in grads}
+    residual_specs = {k: P("data", *specs[k]) for k in grads}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[:, 0], g)
+        state = tx.init(jax.tree.map(lambda x: x[0] * 0, g))  # typed like the grads
+        outs, qs = [], []
+        for t in range(TP_STEPS):
+            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state)
+            outs.append(out)
+            qs.append(state.q)
+        outs = jax.tree.map(lambda *xs: jnp.stack(xs)[:, None], *outs)
+        qs = jax.tree.map(lambda *xs: jnp.stack(xs), *qs)
+        return outs, qs, jax.tree.map(lambda r: r[None], state.residual)
+
+    f = shard_map_jit(body, mesh, (lead,), (lead, P(), residual_specs))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, lead[k])) for k, v in grads.items()}
+    return jax.tree.map(np.asarray, f(placed))
+
+
+def shard_map_jit(body, mesh, in_specs, out_specs, check_vma=True):
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+    )
+    return jax.jit(mapped)
+
+
+@functools.cache
+def tp_results(dtype):
+    """The whole leaves' run on a 1-D mesh, and the split leaves' run, on tp_grads(dtype)."""
+    whole, split = tp_meshes()
+    grads = tp_grads(dtype)
+    tx = lambda specs: powersgd("data", RANK, min_compression_rate=1.0, specs=specs)  # noqa: E731
+    want = tp_run(tx(None), whole, dict.fromkeys(TP_SPECS, P()), grads)
+    got = tp_run(tx(TP_SPECS), split, TP_SPECS, grads)
+    return want, got
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, jnp.float16])
+def test_sharded_leaves_give_the_whole_leaves_result(dtype):
+    """Outputs, Q's and residuals of the split leaves within a few roundings of the whole
+    leaves' (the sums run in another order); in bfloat16 and float16 the factors are in
+    float32 and the outputs and residuals are rounded to the leaf's dtype as for whole ones."""
+    (want, want_qs, want_res), (got, got_qs, got_res) = tp_results(dtype)
+    ulps = 16 if dtype == np.float32 else 2
+    for k in TP_SHAPES:
+        assert got[k].dtype == dtype and got_res[k].dtype == dtype
+        for t in range(1, TP_STEPS):
+            scale = np.abs(np.asarray(want[k][t], np.float64)).max()
+            atol = ulps * float(jnp.finfo(dtype).eps) * scale
+            np.testing.assert_allclose(
+                np.asarray(got[k][t], np.float64), want[k][t], rtol=0, atol=atol, err_msg=k
+            )
+        scale = np.abs(np.asarray(want_res[k], np.float64)).max()
+        atol = ulps * float(jnp.finfo(dtype).eps) * scale
+        np.testing.assert_allclose(
+            np.asarray(got_res[k], np.float64), want_res[k], rtol=0, atol=atol, err_msg=k
+        )
+    assert len(got_qs) == 4  # every matrix is compressed, the vector is not
+    for got_q, want_q in zip(got_qs, want_qs, strict=True):
+        assert got_q.shape == want_q.shape and got_q.dtype == np.float32  # the whole Q
+        np.testing.assert_allclose(got_q, want_q, rtol=0, atol=1e-5 * np.abs(want_q).max())
+
+
+def test_zero_gradients_on_sharded_leaves_give_zeros():
+    """A step of zero gradients on the split leaves: zero outputs, no NaN, and the first
+    Q's kept, which are the whole leaves' first draw (the same seed and leaf index)."""
+    (_, want_qs, _), (got, got_qs, _) = tp_results(np.float32)
+    for k in TP_SHAPES:
+        np.testing.assert_array_equal(got[k][0], 0)
+        assert np.isfinite(got[k]).all()
+    params = {k: jnp.zeros(s) for k, s in TP_SHAPES.items()}
+    first = powersgd("data", RANK, min_compression_rate=1.0, specs=TP_SPECS).init(params).q
+    for got_q, want_q, q0 in zip(got_qs, want_qs, first, strict=True):
+        np.testing.assert_array_equal(got_q[0], q0)  # init on the pieces: the whole draw
+        np.testing.assert_array_equal(want_q[0], q0)
+
+
+def test_a_sharded_leaf_needs_its_spec():
+    """A matrix split over a model axis with no spec (or a spec naming other axes) raises
+    at trace time, naming specs; a split vector needs none."""
+    _, split = tp_meshes()
+    grads = tp_grads(np.float32)
+    missing, wrong = {**TP_SPECS, "rows": None}, {**TP_SPECS, "cols": P(None, "a")}
+    for specs, match in ((missing, "'rows' is sharded.*pass specs="), (wrong, "'cols' varies")):
+        tx = powersgd("data", RANK, min_compression_rate=1.0, specs=specs)
+        with pytest.raises(ValueError, match=match):
+            tp_run(tx, split, TP_SPECS, grads)
+    tx = powersgd("data", RANK, min_compression_rate=1.0, specs={"vec": None})
+    tp_run(tx, split, TP_SPECS, {"vec": grads["vec"]})  # traced and run: no error
+
+
+def test_orthogonalize_over_split_rows():
+    """orthogonalize(p, axes=...) on each device's rows of p gives its rows of the whole
+    p's result: the dot products and norms are summed over the axes."""
+    _, split = tp_meshes()
+    p = np.random.default_rng(4).standard_normal((8, 3)).astype(np.float32)
+    p[:, 2] = p[:, 0] - 2 * p[:, 1]  # dependent: P stays orthonormal
+    f = shard_map_jit(lambda x: psgd.orthogonalize(x, axes=("a", "b")), split,
+                      P(("a", "b")), P(("a", "b")))  # fmt: skip
+    got = f(jax.device_put(p, NamedSharding(split, P(("a", "b")))))
+    np.testing.assert_allclose(got, psgd.orthogonalize(jnp.asarray(p)), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
 # State, dtypes, optax and parallel.train_step
 
 
@@ -483,6 +624,7 @@ def test_initial_q_depends_on_the_seed_alone():
         ({"min_compression_rate": "2"}, "min_compression_rate must be a positive number"),
         ({"seed": 0.5}, "seed must be an int"),
         ({"axis_name": ""}, "axis_name must be a non-empty string"),
+        ({"specs": {"w": "model"}}, "specs must be None or a pytree of PartitionSpecs"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

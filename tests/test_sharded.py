@@ -163,6 +163,10 @@ def _mlp_problem(seed=0):
 TP_CASES = {  # name: (make(specs) -> tx, the method acts before the optimizer)
     "allreduce": (lambda specs: gradcomm.allreduce("data"), True),
     "adasum": (lambda specs: gradcomm.adasum("data"), False),
+    "powersgd": (
+        lambda specs: gradcomm.powersgd("data", rank=2, min_compression_rate=1.0, specs=specs),
+        True,
+    ),
 }
 
 

@@ -193,3 +193,68 @@ def test_steps_with_a_sync_trace_once(factory):
         p, state, _ = step(p, state, batch)
         jax.block_until_ready(p)
     assert len(traces) == 1
+
+
+# A tensor-parallel mesh (issue 27): params sharded over 'model' by rows and by columns,
+# beside one replicated over it, each data device with its own copy.
+TP_SPECS = {"w": P("model", None), "c": P(None, "model"), "b": P()}
+TP_SHAPES = {"w": (8, 6), "c": (5, 4), "b": (6,)}
+
+
+@functools.cache
+def tp_meshes():
+    """The (data 4, model 2) mesh, and the 1-D mesh of its 4 data devices."""
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    two = jax.make_mesh((4, 2), ("data", "model"), axis_types=explicit)
+    one = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=explicit[:1])
+    return two, one
+
+
+def tp_run(sync, mesh, specs, steps=4, seed=0):
+    """`steps` of per-device SGD on random gradients, each followed by `sync.update`
+    (`sync=None`: `average_params` on every step), in a hand-written `shard_map` loop;
+    the params after each step, (steps, data device, ...)."""
+    rng = np.random.default_rng(seed)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in TP_SHAPES.items()}
+    grads = {k: rng.standard_normal((steps, 4, *s)) for k, s in TP_SHAPES.items()}
+    grads = {k: g.astype(np.float32) for k, g in grads.items()}
+    param_specs = {k: P("data", *specs[k]) for k in params}
+    grad_specs = {k: P(None, "data", *specs[k]) for k in params}
+
+    def loop(p, g):
+        p = {k: x[0] for k, x in p.items()}
+        state = sync.init(p) if sync else None
+        history = []
+        for t in range(steps):
+            p = {k: p[k] - np.float32(0.1) * g[k][t, 0] for k in p}
+            if sync:
+                p, state = sync.update(p, state)
+            else:
+                p = gradcomm.average_params(p, "data")
+            history.append({k: x[None] for k, x in p.items()})
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *history)
+
+    fn = jax.jit(
+        jax.shard_map(loop, mesh=mesh, in_specs=(param_specs, grad_specs), out_specs=grad_specs)
+    )
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    per_device = {k: np.broadcast_to(v, (4, *v.shape)) for k, v in params.items()}
+    placed = jax.tree.map(put, (per_device, grads), (param_specs, grad_specs))
+    return jax.tree.map(np.asarray, fn(*placed))
+
+
+@pytest.mark.parametrize("factory", [None, gradcomm.periodic_average, gradcomm.local_sgd])
+def test_params_sharded_over_a_model_axis(factory):
+    """On a (data 4, model 2) mesh, params sharded over 'model' beside one replicated over
+    it: each leaf keeps its type (the replicated one leaves the map as replicated over
+    'model') and the params are the bits of the whole tensors on the 4 data devices."""
+    two, one = tp_meshes()
+    sync = factory("data", every=2) if factory else None
+    got = tp_run(sync, two, TP_SPECS)
+    want = tp_run(sync, one, {k: P() for k in TP_SPECS})
+    for k in TP_SHAPES:
+        np.testing.assert_array_equal(got[k], want[k])
+        synced = got[k][1::2] if factory else got[k]
+        assert (synced == synced[:, :1]).all()  # averaged: the same on every data device
+        if factory:
+            assert not (got[k][0] == got[k][0, :1]).all()  # between averages, their own

@@ -479,3 +479,129 @@ def test_branch_checks_its_arguments():
             wire.branch("x", **kwargs)
     with pytest.raises(ValueError, match="either"):
         wire.branch("x", every=2, first=3)
+
+
+# ----------------------------------------------------------------------------- mesh axes
+
+
+def mesh_2d():
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=explicit)
+
+
+def measure_2d(f, *shapes):
+    """`f` under shard_map on the ('data'=4, 'model'=2) mesh, each input split over both."""
+    mesh = mesh_2d()
+    spec = P("data", "model")
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
+    args = [
+        jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, spec)) for s in shapes
+    ]
+    return wire.measure(jax.jit(mapped), *args)
+
+
+def test_collectives_count_under_the_mesh_axes_they_span():
+    def f(x, y):
+        summed = lax.psum(x, "data")  # groups {0,2,4,6}, {1,3,5,7}
+        gathered = lax.all_gather(y, "model", tiled=True)  # {0,1}, {2,3}, ...
+        return summed, gathered[: y.shape[0]]
+
+    report = measure_2d(f, (4 * 5, 2 * 100), (4 * 7, 2 * 30))  # per device 5x100, 7x30
+    assert report.mesh == (("data", 4), ("model", 2))
+    assert report.by_axes() == {
+        ("data",): pytest.approx(2 * 3 / 4 * 5 * 100 * 4),
+        ("model",): pytest.approx(1 / 2 * 2 * 7 * 30 * 4),  # output S: 2 shards gathered
+    }
+    assert {c.kind: c.axes for c in report.collectives} == {
+        "all-reduce": ("data",),
+        "all-gather": ("model",),
+    }
+    assert sum(report.by_axes().values()) == pytest.approx(report.total)
+    table = report.table()
+    assert "| all-reduce | 2,000 | 4 | data | 1 | 3,000 |" in table
+    assert "| mesh axes (data=4, model=2) | sent per device (B) |" in table
+    assert "| model | 840 |" in table
+    data = json.loads(report.to_json())
+    assert data["mesh"] == [["data", 4], ["model", 2]]
+    assert {tuple(e["axes"]): e["sent"] for e in data["by_axes"]} == report.by_axes()
+    assert {c["kind"]: c["axes"] for c in data["collectives"]}["all-gather"] == ["model"]
+
+
+@pytest.mark.parametrize("axes", [("data", "model"), ("model", "data")])
+def test_a_psum_over_both_axes_spans_both_in_mesh_order(axes):
+    report = measure_2d(lambda x: lax.psum(x, axes), (4 * 10, 2 * 10))
+    assert report.by_axes() == {("data", "model"): pytest.approx(2 * 7 / 8 * 400)}
+
+
+def test_a_ppermute_over_data_spans_data():
+    perm = [(i, (i + 1) % 4) for i in range(4)]
+    report = measure_2d(lambda x: lax.ppermute(x, "data", perm), (4 * 10, 2 * 10))
+    [c] = report.collectives
+    assert c.kind == "collective-permute" and c.axes == ("data",)
+    assert report.by_axes() == {("data",): 400}
+
+
+def test_device_ids_are_positions_in_the_mesh_not_device_ids():
+    # A mesh over the devices in a shuffled order: the groups still name mesh positions.
+    devices = np.array(jax.devices())[[3, 1, 0, 2, 7, 5, 6, 4]].reshape(4, 2)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    f = jax.shard_map(lambda x: lax.psum(x, "model"), mesh=mesh, in_specs=P(), out_specs=P())
+    report = wire.measure(jax.jit(f), jnp.zeros(100, jnp.float32))
+    assert report.by_axes() == {("model",): 400}
+
+
+def test_by_axes_on_a_one_axis_mesh_adds_up_to_the_total():
+    n = 8
+
+    def f(x):
+        x = x[0]
+        return (
+            lax.psum(x, "data").sum()
+            + lax.all_gather(x, "data", tiled=True).sum()
+            + lax.ppermute(x, "data", [(i, (i + 1) % n) for i in range(n)]).sum()
+        )[None]
+
+    report = compiled_report(f, n, (n, 800), out_specs=P("data"))
+    assert report.mesh == (("data", n),)
+    assert report.by_axes() == {("data",): report.total}
+    assert {c.axes for c in report.collectives} == {("data",)}
+
+
+IOTA = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[1000]) -> f32[1000] {
+  %p = f32[1000]{0} parameter(0)
+  %data = f32[1000]{0} all-reduce(%p), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  %model = f32[1000]{0} all-reduce(%data), replica_groups=[4,2]<=[8], to_apply=%add
+  %all = f32[1000]{0} all-reduce(%model), replica_groups={}, to_apply=%add
+  %self = f32[1000]{0} all-reduce(%all), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, \
+to_apply=%add
+  ROOT %cp = f32[1000]{0} collective-permute(%self), source_target_pairs={{0,1},{1,0}}
+}
+"""
+
+
+def test_analyze_hlo_reads_the_axes_of_iota_and_list_groups_with_a_mesh():
+    mesh = {"data": 4, "model": 2}
+    report = wire.analyze_hlo(IOTA, mesh=mesh)
+    assert [c.axes for c in report.collectives] == [
+        ("data",),
+        ("model",),
+        ("data", "model"),
+        (),
+        ("model",),
+    ]
+    assert sum(report.by_axes().values()) == report.total
+    assert wire.analyze_hlo(IOTA, mesh=mesh_2d()).by_axes() == report.by_axes()
+    # Without a mesh the axes are unknown; the figures are the same.
+    unknown = wire.analyze_hlo(IOTA)
+    assert unknown.mesh is None and unknown.by_axes() == {None: report.total}
+    assert "mesh axes" not in unknown.table()
+    with pytest.raises(ValueError, match="devices"):
+        wire.analyze_hlo(IOTA, mesh={"data": 4})
