@@ -1,8 +1,9 @@
 """TernGrad's codes and their wire: drawing ternary codes, packing them 5 to a byte, and
 summing them over the devices in packed form (the mechanism behind `gradcomm.terngrad`).
 
-The random bits are a counter-based hash of each element's index, keyed per device and
-step by `jax.random` (threefry): two rounds of a 32-bit mixer, one vectorized pass, where
+The random bits are a counter-based hash of each element's index (in the whole tensor,
+for a piece of a leaf sharded over other mesh axes), keyed per device and step by
+`jax.random` (threefry): two rounds of a 32-bit mixer, one vectorized pass, where
 threefry per element costs about ten times as much on a CPU. Each leaf is packed on its
 own, digit-major (`gradcomm._packing`), so that drawing, clipping and packing are one
 pass over the leaf and unpacking one pass over the codes. `code_sums` is the exchange:
@@ -39,29 +40,42 @@ def key_words(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def _random_words(words: jax.Array, start: int, size: int) -> jax.Array:
-    """`size` pseudo-random uint32 words for elements `start, start + 1, ...`.
+def _random_words(
+    words: jax.Array, start: int, size: int, index: jax.Array | None = None
+) -> jax.Array:
+    """`size` pseudo-random uint32 words for elements `start + index`.
 
-    Counter-based: element e gets `mix(mix(e ^ k0) + k1)`, (k0, k1) = `words`, a keyed
-    bijection of the element index (numbered modulo 2^32) evaluated in one vectorized
-    pass; threefry per element costs about ten times as much on a CPU.
+    `index` (uint32, `(size,)`) defaults to `0, 1, ...`. Counter-based: element e gets
+    `mix(mix(e ^ k0) + k1)`, (k0, k1) = `words`, a keyed bijection of the element index
+    (numbered modulo 2^32) evaluated in one vectorized pass; threefry per element costs
+    about ten times as much on a CPU.
     """
-    index = lax.iota(jnp.uint32, size) + jnp.uint32(start)
+    if index is None:
+        index = lax.iota(jnp.uint32, size)
+    index = index + jnp.uint32(start % 2**32)
     return _mix(_mix(index ^ words[0]) + words[1])
 
 
 def codes(
-    g: jax.Array, bound: jax.Array, scale: jax.Array, words: jax.Array, start: int = 0
+    g: jax.Array,
+    bound: jax.Array,
+    scale: jax.Array,
+    words: jax.Array,
+    start: int = 0,
+    index: jax.Array | None = None,
 ) -> jax.Array:
     """Eqs. 1 and 3: codes sign(g) * b (int32), b ~ Bernoulli(|clip(g)| / scale).
 
     Each element gets a 23-bit uniform at the midpoints, u = (r + 1/2) / 2^23 (exact in
     float32), and b = 1 where u < |clip(g)| / scale: P(b = 1) is the ratio rounded to a
     multiple of 2^-23. A zero scale gives zeros, an infinite one zeros (so 0 * inf = NaN).
-    Elements of the flat `g` are numbered from `start` in the random stream keyed by
-    `words` (from `key_words`).
+    Elements are numbered `start + index` in the random stream keyed by `words` (from
+    `key_words`): `index` (uint32, shaped like `g`) is each element's place in the whole
+    tensor where `g` is a piece of it (`gradcomm._shards.global_index`), and defaults to
+    its place in the flat `g`.
     """
-    r = (_random_words(words, start, g.size) >> 9).reshape(g.shape)
+    flat_index = None if index is None else index.ravel()
+    r = (_random_words(words, start, g.size, flat_index) >> 9).reshape(g.shape)
     u = (r.astype(g.dtype) + 0.5) * 2.0**-23
     ratio = jnp.minimum(jnp.abs(g), bound) / scale
     return jnp.where(u < ratio, jnp.sign(g), 0).astype(jnp.int32)
@@ -101,16 +115,32 @@ def _row_starts(size: int) -> tuple[int, list[int]]:
 
 @jax.named_scope("compress")
 def pack_leaf(
-    g: jax.Array, bound: jax.Array, scale: jax.Array, words: jax.Array, start: int
+    g: jax.Array,
+    bound: jax.Array,
+    scale: jax.Array,
+    words: jax.Array,
+    start: int,
+    index: jax.Array | None = None,
 ) -> jax.Array:
-    """The codes of one leaf (elements numbered from `start`), 5 to a byte: `(b,)` uint8."""
+    """The codes of one leaf, 5 to a byte: `(b,)` uint8.
+
+    Elements are numbered as `codes` numbers them: `start + index`, `index` by default
+    each element's place in the flat `g`. The bytes hold `g`'s own elements in its own
+    (flat) order, whatever `index` says.
+    """
     flat = g.ravel()
     b, starts = _row_starts(flat.size)
-    if starts[-1] + b > flat.size:  # a tiny leaf: pad it
-        flat = jnp.pad(flat, (0, starts[-1] + b - flat.size))
-    rows = [
-        codes(lax.slice(flat, (s,), (s + b,)), bound, scale, words, start + s) + 1 for s in starts
-    ]
+    pad = max(starts[-1] + b - flat.size, 0)  # a tiny leaf: pad it
+    flat = jnp.pad(flat, (0, pad)) if pad else flat
+    flat_index = None if index is None else jnp.pad(index.ravel(), (0, pad))
+
+    def row(s: int) -> jax.Array:
+        piece = lax.slice(flat, (s,), (s + b,))
+        if flat_index is None:
+            return codes(piece, bound, scale, words, start + s)
+        return codes(piece, bound, scale, words, start, lax.slice(flat_index, (s,), (s + b,)))
+
+    rows = [row(s) + 1 for s in starts]
     return _packing.pack(rows, 3, jnp.uint8)
 
 

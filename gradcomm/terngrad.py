@@ -32,10 +32,19 @@ The random bits are a counter-based hash of each element's index, keyed per devi
 step by `jax.random`; each leaf is packed on its own, so that drawing, clipping and
 packing are one pass over the leaf. The codes and their wire are `gradcomm._ternary`'s;
 this module holds the scales (clipping, the shared maximum) and the transformation.
+
+On a mesh with other axes than the data axes (tensor parallelism, `gradcomm._shards`), a
+leaf sharded over them is ternarized as the whole tensor is: its sigma, its maximum and
+its scale are reduced over its shard axes, and each element's random bits are drawn from
+its index in the whole tensor (numbered as if no leaf were sharded), so the codes do not
+depend on the layout. Each device packs and sends the codes of its own piece: over the
+data axis, a piece's share of the whole tensor's bytes. Leaves are exchanged in one group
+per set of shard axes, so that a replicated leaf's result stays typed replicated.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, get_args
@@ -46,7 +55,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _leafwise, _numeric, _schedule, _ternary
+from gradcomm import _axes, _checks, _flat, _leafwise, _numeric, _schedule, _shards, _ternary
 
 Wire = Literal["packed", "all_gather", "all_to_all", "simulate"]
 WIRES: tuple[str, ...] = get_args(Wire)
@@ -88,6 +97,33 @@ def _clip_bound(g: jax.Array, clip: float | None) -> jax.Array:
     _, inverse = _numeric.pow2_scale(jnp.max(jnp.abs(g)))
     sigma = jnp.std(g * inverse)
     return jnp.where(sigma > 0, clip * sigma / inverse, jnp.inf)
+
+
+def _sharded_clip_bounds(
+    gs: list[jax.Array], clip: float | jax.Array, axes: _shards.Axes
+) -> list[jax.Array]:
+    """`_clip_bound` of the whole tensors of which `gs` are the pieces, sharded over `axes`.
+
+    The same steps over the whole tensor: the power of two from the maximum over the
+    pieces (`lax.pmax`), then the mean and the mean squared deviation from it, each a sum
+    over the pieces (`lax.psum`): two passes, as `jnp.std`, so a constant leaf keeps a
+    sigma of about 0 instead of the cancellation of a one-pass sum of squares.
+    """
+    count = np.asarray([g.size * _shards.num_shards(axes) for g in gs], gs[0].dtype)
+    top = lax.pmax(jnp.stack([jnp.max(jnp.abs(g)) for g in gs]), axes)
+    _, inverse = _numeric.pow2_scale(top)
+    xs = [g * inverse[i] for i, g in enumerate(gs)]
+    mean = lax.psum(jnp.stack([jnp.sum(x) for x in xs]), axes) / count
+    squares = jnp.stack([jnp.sum(jnp.square(x - mean[i])) for i, x in enumerate(xs)])
+    sigma = jnp.sqrt(lax.psum(squares, axes) / count)
+    return list(jnp.where(sigma > 0, clip * sigma / inverse, jnp.inf))
+
+
+def _clip_bounds(gs: list[jax.Array], clip: float | None, axes: _shards.Axes) -> list[jax.Array]:
+    """The clipping bounds of leaves sharded over `axes` (none: each leaf is whole)."""
+    if clip is None or not axes:
+        return [_clip_bound(g, clip) for g in gs]
+    return _sharded_clip_bounds(gs, clip, axes)
 
 
 def _local_scale(g: jax.Array, bound: jax.Array) -> jax.Array:
@@ -162,41 +198,66 @@ def _ternary_mean(
     n: int,
     clip: float | None,
     wire: Wire,
+    axes: list[_shards.Axes],
+    indices: list[jax.Array | None],
+    sizes: list[int],
 ) -> list[jax.Array]:
-    """The mean over the devices of the ternarized leaves (eqs. 1-4), sent as `wire` says."""
+    """The mean over the devices of the ternarized leaves (eqs. 1-4), sent as `wire` says.
+
+    `axes` are each leaf's shard axes, `indices` its elements' indices in the whole tensor
+    (None where it is whole) and `sizes` the whole tensors' sizes. The leaves go in one
+    group per set of shard axes, each with its own reductions and exchange.
+    """
     ct = _axes.compute_dtype(jnp.result_type(*leaves))
     gs = [leaf.astype(ct) for leaf in leaves]
-    bounds = [_clip_bound(g, clip) for g in gs]
-    local = jnp.stack([_local_scale(g, b) for g, b in zip(gs, bounds, strict=True)])
-    scales = _round_up_scale(lax.pmax(local, axis_name), n)
-    starts = _flat.offsets([g.size for g in gs])
+    starts = _flat.offsets(sizes)
     key_words = _ternary.key_words(key)
-    if wire == "simulate":
-        codes = [
-            _ternary.codes(g, b, s, key_words, start)
-            for g, b, s, start in zip(gs, bounds, scales, starts, strict=False)
+    groups: dict[_shards.Axes, list[int]] = {}
+    for i, shard in enumerate(axes):
+        groups.setdefault(shard, []).append(i)
+    totals: list[jax.Array | None] = [None] * len(gs)
+    for shard, ids in groups.items():
+        group = [gs[i] for i in ids]
+        bounds = _clip_bounds(group, clip, shard)
+        local = jnp.stack([_local_scale(g, b) for g, b in zip(group, bounds, strict=True)])
+        if shard:
+            local = lax.pmax(local, shard)
+        scales = _round_up_scale(lax.pmax(local, axis_name), n)
+        draws = [
+            (g, b, s, key_words, starts[i], indices[i])
+            for g, b, s, i in zip(group, bounds, scales, ids, strict=False)
         ]
-        totals = lax.psum([c.astype(ct) * s for c, s in zip(codes, scales, strict=True)], axis_name)
-    else:
-        packed = [
-            _ternary.pack_leaf(g, b, s, key_words, start)
-            for g, b, s, start in zip(gs, bounds, scales, starts, strict=False)
-        ]
-        strategy = _ternary.pick_strategy(n) if wire == "packed" else wire
-        sums = _ternary.code_sums(packed, axis_name, n, strategy)
-        totals = [
-            _ternary.unpack_leaf([(r.astype(ct) - n) * s for r in rows], g.size).reshape(g.shape)
-            for rows, g, s in zip(sums, gs, scales, strict=True)
-        ]
+        if wire == "simulate":
+            codes = [_ternary.codes(*draw) for draw in draws]
+            sums = lax.psum(
+                [c.astype(ct) * s for c, s in zip(codes, scales, strict=True)], axis_name
+            )
+        else:
+            packed = [_ternary.pack_leaf(*draw) for draw in draws]
+            strategy = _ternary.pick_strategy(n) if wire == "packed" else wire
+            rows = _ternary.code_sums(packed, axis_name, n, strategy)
+            sums = [
+                _ternary.unpack_leaf([(r.astype(ct) - n) * s for r in digits], g.size).reshape(
+                    g.shape
+                )
+                for digits, g, s in zip(rows, group, scales, strict=True)
+            ]
+        for i, total in zip(ids, sums, strict=True):
+            totals[i] = total
     return [(t / n).astype(leaf.dtype) for t, leaf in zip(totals, leaves, strict=True)]
 
 
-def _dense_mask(names: list[str], leaves: list[jax.Array], dense: Dense) -> list[bool]:
-    """Which leaves stay in float: by name (or name prefix), size threshold or predicate."""
+def _dense_mask(
+    names: list[str], leaves: list[jax.Array], sizes: list[int], dense: Dense
+) -> list[bool]:
+    """Which leaves stay in float: by name (or name prefix), size threshold or predicate.
+
+    `sizes` are the whole tensors' sizes, which the threshold applies to.
+    """
     if dense is None:
         return [False] * len(leaves)
     if isinstance(dense, int):
-        return [leaf.size <= dense for leaf in leaves]
+        return [size <= dense for size in sizes]
     if callable(dense):
         return [bool(dense(name, leaf)) for name, leaf in zip(names, leaves, strict=True)]
     entries = [dense] if isinstance(dense, str) else list(dense)
@@ -225,6 +286,7 @@ def terngrad(
     seed: int = 0,
     dense: Dense = None,
     wire: Wire = "packed",
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """TernGrad: averages ternarized gradients over the devices, sending packed ternary codes.
 
@@ -242,19 +304,29 @@ def terngrad(
       dense: leaves to average in float instead: None (none), leaf names or name prefixes
         ('Dense_1' for a flax layer's kernel and bias, as the paper keeps the last layer in
         float), an int (leaves with at most that many elements, such as biases), or a
-        predicate `(name, leaf) -> bool`. Names are '/'-joined key paths.
+        predicate `(name, leaf) -> bool`. Names are '/'-joined key paths. On a leaf
+        sharded over other mesh axes, the threshold applies to the whole tensor's size
+        and the predicate gets this device's piece.
       wire: "packed" (real packed codes; all-gather for N <= 2, all-to-all then
         all-gather from N = 3, whichever sends fewer bytes), "all_gather" or "all_to_all"
         to force one, or "simulate" (dequantize, then psum floats), which gives the same
         bits as the packed modes.
+      specs: the params' `PartitionSpec`s (the `in_specs` of `jax.shard_map`), a pytree
+        shaped like the updates, or None. Needed only inside a `shard_map` over mesh axes
+        besides `axis_name` (tensor parallelism), for leaves sharded over them: each
+        such leaf is then ternarized as its whole tensor is, with the same codes as on
+        one unsharded device per `axis_name` index, whatever the layout. The data axes
+        in a spec are ignored; None (or a None entry) stands for no spec.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `TernGradState`.
 
     Raises:
       ValueError: for a non-positive clip, a bad seed, dense or wire at construction;
-        at trace time for dense names that match no leaf, an unbound axis or a
-        non-floating leaf.
+        at trace time for dense names that match no leaf, an unbound axis, a
+        non-floating leaf, specs that do not match the updates, a leaf sharded over other
+        mesh axes without a spec, or other mesh axes under `shard_map(check_vma=False)`
+        (which hides which leaves are sharded).
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -281,10 +353,12 @@ def terngrad(
         return TernGradState(count=_schedule.zero_count(), key=key)
 
     def step(
-        leaves: list[jax.Array], names: list[str], state: TernGradState
+        leaf_specs: list[Any], leaves: list[jax.Array], names: list[str], state: TernGradState
     ) -> tuple[list[jax.Array], TernGradState]:
         n = _axes.axis_size(axis_name)
-        keep_dense = _dense_mask(names, leaves, dense)
+        axes = [_shards.shard_axes(leaf, axis_name, "terngrad") for leaf in leaves]
+        sizes = [leaf.size * _shards.num_shards(a) for leaf, a in zip(leaves, axes, strict=True)]
+        keep_dense = _dense_mask(names, leaves, sizes, dense)
         out = list(leaves)
         dense_ids = [i for i, d in enumerate(keep_dense) if d or not leaves[i].size]
         if dense_ids:
@@ -293,11 +367,35 @@ def terngrad(
                 out[i] = leaf
         ids = [i for i in range(len(leaves)) if i not in set(dense_ids)]
         if ids:
+            indices = [
+                _shards.global_index(
+                    leaves[i], leaf_specs[i], axes[i], axis_name, "terngrad", names[i]
+                )
+                for i in ids
+            ]
             key = jax.random.fold_in(_as_key(state.key), state.count)
             key = jax.random.fold_in(key, _axes.axis_index(axis_name))
-            averaged = _ternary_mean([leaves[i] for i in ids], key, axis_name, n, clip, wire)
+            averaged = _ternary_mean(
+                [leaves[i] for i in ids],
+                key,
+                axis_name,
+                n,
+                clip,
+                wire,
+                [axes[i] for i in ids],
+                indices,
+                [sizes[i] for i in ids],
+            )
             for i, leaf in zip(ids, averaged, strict=True):
                 out[i] = leaf
         return out, TernGradState(count=optax.safe_increment(state.count), key=state.key)
 
-    return _leafwise.transformation("terngrad", axis_name, init_fn, step)
+    def update_fn(
+        updates: Any, state: TernGradState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, TernGradState]:
+        leaf_specs = _shards.leaf_specs(specs, updates, "terngrad")
+        step_with_specs = functools.partial(step, leaf_specs)
+        tx = _leafwise.transformation("terngrad", axis_name, init_fn, step_with_specs)
+        return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

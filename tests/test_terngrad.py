@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import reference
 from helpers import per_device, wire_against_psum
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gradcomm
 from gradcomm.terngrad import _round_up_scale
@@ -223,3 +225,110 @@ def test_wire_bytes_against_a_dense_psum(n):
     assert report.total <= psum / 6
     if n == 8:
         assert psum / report.total > 9  # about 10x: 1.6-bit codes out, 4.6-bit sums back
+
+
+# A leaf sharded over a model axis: a (data 2, model 4) mesh against the whole tensors on
+# a data axis of 2.
+SHARDED_SPECS = {"rows": P("model", None), "cols": P(None, "model"), "bias": P()}
+SHARDED_SHAPES = {"rows": (16, 6), "cols": (5, 8), "bias": (7,)}
+
+
+@functools.cache
+def sharded_update(sharded, clip=2.5, dense=None, specs=True):
+    """One terngrad update per wire mode, on leaves split over 'model' or whole."""
+    explicit = (AxisType.Explicit,) * 2
+    if sharded:
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=explicit)
+        leaf_specs = SHARDED_SPECS
+    else:
+        mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=explicit[:1])
+        leaf_specs = {k: P() for k in SHARDED_SPECS}
+    in_specs = {k: P("data", *spec) for k, spec in leaf_specs.items()}
+
+    def body(tree):
+        tree = jax.tree.map(lambda x: x[0], tree)
+        outs = {}
+        for mode in WIRE_MODES:
+            tx = gradcomm.terngrad(
+                "data",
+                clip=clip,
+                seed=5,
+                dense=dense,
+                wire=mode,
+                specs=SHARDED_SPECS if specs and sharded else None,
+            )
+            outs[mode] = tx.update(tree, tx.init(tree))[0]
+        return jax.tree.map(lambda x: x[None], outs)
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(in_specs,), out_specs={m: in_specs for m in WIRE_MODES}
+        )
+    )
+
+    def run(tree):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in tree.items()}
+        return jax.tree.map(np.asarray, f(placed))
+
+    return run
+
+
+def sharded_tree(dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    tree = {k: rng.standard_normal((2, *s)) for k, s in SHARDED_SHAPES.items()}
+    tree["rows"][:, :2] *= 6  # outliers that clipping cuts, on model shard 0
+    return {k: v.astype(dtype) for k, v in tree.items()}
+
+
+def assert_same_on_every_wire_and_device(outs):
+    for mode in WIRE_MODES:
+        for leaf, value in outs[mode].items():
+            np.testing.assert_array_equal(value, outs["simulate"][leaf], err_msg=mode)
+            np.testing.assert_array_equal(value[1], value[0], err_msg=leaf)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_a_leaf_sharded_over_a_model_axis_is_ternarized_whole(dtype):
+    """The same codes as on the whole tensors, up to the last bits of sigma's sums."""
+    tree = sharded_tree(dtype)
+    got = sharded_update(True)(tree)
+    want = sharded_update(False)(tree)
+    assert_same_on_every_wire_and_device(got)
+    for leaf, value in got["packed"].items():
+        assert value.dtype == dtype
+        value, whole = value.astype(np.float64), want["packed"][leaf].astype(np.float64)
+        np.testing.assert_array_equal(np.sign(value), np.sign(whole), err_msg=leaf)
+        np.testing.assert_allclose(value, whole, rtol=0, atol=1e-6 * np.abs(whole).max())
+
+
+def test_without_clipping_and_with_a_size_threshold_the_bits_are_the_whole_tensors():
+    """No sigma to sum: the same bits. The threshold counts the whole tensor's elements."""
+    tree = sharded_tree()
+    piece = SHARDED_SHAPES["rows"][0] // 4 * SHARDED_SHAPES["rows"][1]
+    got = sharded_update(True, clip=None, dense=piece)(tree)
+    want = sharded_update(False, clip=None, dense=piece)(tree)
+    assert_same_on_every_wire_and_device(got)
+    for leaf in SHARDED_SPECS:
+        np.testing.assert_array_equal(got["packed"][leaf], want["packed"][leaf], err_msg=leaf)
+    np.testing.assert_allclose(got["packed"]["bias"][0], tree["bias"].mean(0), rtol=1e-6)
+    assert not np.allclose(got["packed"]["rows"][0], tree["rows"].mean(0))
+
+
+def test_a_sharded_leaf_without_specs_raises():
+    with pytest.raises(ValueError, match=r"'cols' is sharded over .*'model'.* pass specs="):
+        sharded_update(True, specs=False)(sharded_tree())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_zero_and_non_finite_sharded_leaves_behave_as_whole_ones(bad):
+    """Zeros stay zeros; a NaN or inf on one piece of one device poisons the whole leaf."""
+    tree = sharded_tree()
+    tree["rows"][:] = 0
+    tree["cols"][1, 3, 7] = bad  # data device 1, model shard 3
+    got = sharded_update(True)(tree)
+    want = sharded_update(False)(tree)
+    for mode in WIRE_MODES:
+        np.testing.assert_array_equal(got[mode]["rows"], 0)
+        assert not np.isfinite(got[mode]["cols"]).any()
+        assert not np.isfinite(want[mode]["cols"]).any()
+        np.testing.assert_array_equal(got[mode]["bias"], want[mode]["bias"])
