@@ -109,8 +109,9 @@ def gather_fsdp(params: Any, fsdp: Sequence[bool], names: tuple[str, ...]) -> An
     )
 
 
-def state_model_specs(tx: optax.GradientTransformation, shapes: Any, param_models: Any) -> list[P]:
-    """Per state leaf, how it is split over model axes: as its param, where it mirrors one.
+def state_model_specs(tx: Any, shapes: Any, param_models: Any) -> list[P]:
+    """Per state leaf of `tx` (a transformation or a `ParamsSync`), how it is split over
+    the mesh: as its param, where it mirrors one.
 
     Leaves shaped like the params (Adam's moments, residuals) follow `param_models` (from
     `model_specs`), found with `optax.tree_map_params`; the others (counts, keys, factors)
@@ -334,10 +335,17 @@ def check_sync(sync: ParamsSync | None, params_per_device: bool) -> None:
         )
 
 
-def sync_state_of(sync: ParamsSync, params: Any, mesh: Mesh, params_per_device: bool) -> Any:
-    """The sync's state from one device's params, replicated on the mesh."""
+def sync_state_of(
+    sync: ParamsSync, params: Any, mesh: Mesh, params_per_device: bool, models: Any
+) -> Any:
+    """The sync's state from one device's params: the same on every data-parallel device,
+    and split over model axes like the params its leaves mirror (`models`)."""
     local = host_copy(params, per_device=params_per_device)
-    return place(jax.jit(sync.init)(local), NamedSharding(mesh, P()))
+    state = jax.jit(sync.init)(local)
+    specs = state_model_specs(sync, local_shapes(local, False), models)
+    leaves, treedef = jax.tree.flatten(state)
+    placed = [place(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)]
+    return jax.tree.unflatten(treedef, placed)
 
 
 def init_state(
@@ -389,7 +397,7 @@ def init_state(
     state = jax.jit(mapped)(params)
     if sync is None:
         return state
-    return TrainState(state, sync_state_of(sync, params, mesh, params_per_device))
+    return TrainState(state, sync_state_of(sync, params, mesh, params_per_device, models))
 
 
 def check_update_shapes(updates: Any, params: Any, fsdp: Sequence[bool]) -> None:

@@ -181,16 +181,18 @@ def with_device_axis(specs: Any, lead: P | None) -> Any:
 
 
 def shard_params(tree: Any, mesh: Mesh, specs: Any, *, per_device: bool = False) -> Any:
-    """Places params split over model axes (tensor parallelism), whole over the data axes.
+    """Places params split over the mesh as `specs` say: tensor parallelism, or FSDP.
 
     Args:
-      tree: a pytree of arrays: the whole params (one copy, or with `per_device` one copy
-        per data-parallel device along a leading axis).
-      mesh: the mesh, with data axes and model axes.
-      specs: a pytree of `PartitionSpec`s like `tree`, naming only model axes, such as
-        `P(None, "model")` for a kernel split by columns; `P()` keeps a leaf whole.
-      per_device: whether `tree` carries the leading device axis of per-device params
-        (all mesh axes not named in `specs` are then the data axes, in mesh order).
+      tree: a pytree of arrays: the whole params, one copy.
+      mesh: the mesh.
+      specs: a pytree of `PartitionSpec`s like `tree`: `P(None, "model")` for a kernel
+        split by columns over a model axis (tensor parallelism), `P("data")` for one
+        whose leading dimension is split over the data axes (FSDP), `P()` to keep a leaf
+        whole.
+      per_device: place one copy per data-parallel device, along a leading device axis
+        (as `per_device` does): the data axes are then the mesh axes that `specs` does not
+        name, in mesh order.
 
     Returns:
       The params on the mesh, each leaf split as its spec says.
@@ -209,7 +211,11 @@ def shard_params(tree: Any, mesh: Mesh, specs: Any, *, per_device: bool = False)
     lead = None
     if per_device:
         named = set().union(*(_spec_names(s) for s in jax.tree.leaves(specs, is_leaf=is_spec)))
-        lead = device_spec(mesh, tuple(a for a in mesh.axis_names if a not in named))
+        data = tuple(a for a in mesh.axis_names if a not in named)
+        lead = device_spec(mesh, data)
+        n = num_shards(mesh, data)
+        copies = lambda x: np.broadcast_to(np.asarray(x)[None], (n, *np.shape(x)))  # noqa: E731
+        tree = jax.tree.map(copies, tree)
     specs = with_device_axis(specs, lead)
     return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), tree, specs)
 
@@ -335,7 +341,9 @@ def host_copy(tree: Any, *, per_device: bool = False) -> Any:
     """
 
     def fetch(x: jax.Array) -> np.ndarray:
-        local = np.asarray(x.addressable_data(0))
+        # Whole where this process holds all of it (a leaf split over a model axis too);
+        # in several processes, its first local piece.
+        local = np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
         return local[0] if per_device else local
 
     return jax.tree.map(fetch, tree)

@@ -173,14 +173,15 @@ class TrainStep:
         return models, with_device_axis(models, lead)
 
     def _state_shapes(self, params: Any, models: Any, split: tuple) -> tuple[Any, list[P]]:
-        """One device's state shapes (`tx.init`'s) and each state leaf's split, cached."""
+        """One device's state shapes (`tx.init`'s) and each state leaf's split (the sync's
+        state's too), cached."""
         shapes = local_shapes(params, self._params_per_device)
         key = (jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)), split)
         if key not in self._shapes:
-            self._shapes[key] = (
-                jax.eval_shape(self._tx.init, shapes),
-                state_model_specs(self._tx, shapes, models),
-            )
+            state_models = state_model_specs(self._tx, shapes, models)
+            if self._sync:
+                state_models += state_model_specs(self._sync, shapes, models)
+            self._shapes[key] = (jax.eval_shape(self._tx.init, shapes), state_models)
         return self._shapes[key]
 
     def _jitted(self, params: Any, state: Any) -> Any:
@@ -197,7 +198,6 @@ class TrainStep:
         local, state_models = self._state_shapes(params, models, split)
         if self._sync:
             local = TrainState(local, state.sync)
-            state_models = state_models + [P()] * len(jax.tree.leaves(state.sync))
         if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
             # leaf's sharding, which then cannot say which leaves are per device; the

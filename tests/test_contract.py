@@ -23,7 +23,9 @@ them to the same contexts. Every case meets every check:
   case with every wrapper (`optax.apply_if_finite`, which decides per device, is
   refused), the loop alternating between `parallel.init_state` +
   `parallel.train_step` and a hand-written `shard_map` loop;
-* an orbax round trip continues bit for bit.
+* an orbax round trip continues bit for bit;
+* on a mesh with a `'model'` axis beside the data axes, a leaf split over it (tensor
+  parallelism) gives the float64 reference's first update on the whole tensors.
 
 Devices: N = 4 unless said otherwise. The gradient of `_loss` is the batch itself (the
 mean of the device's rows), so each device's gradient is whatever its batch shard holds.
@@ -66,12 +68,13 @@ MIXED_DTYPES = {"half": jnp.bfloat16}
 class Case:
     """One row of the method table: its factory and where it sits."""
 
-    make: Callable[[], optax.GradientTransformationExtraArgs]
+    make: Callable[..., optax.GradientTransformationExtraArgs]
     before: bool  # sits before the optimizer (acts on gradients); else after it
     per_device: bool = False  # params kept per device (`params_per_device=True`)
     synced: bool = True  # every device ends with the same update
     hierarchical: bool = False  # mesh {"node": n // 2, "local": 2}
     rtol: float = 1e-5  # against the float64 reference's first update
+    specs: bool = False  # takes the params' PartitionSpecs (`make(specs=...)`)
 
 
 CASES = {
@@ -80,7 +83,7 @@ CASES = {
     "adasum_hierarchical": Case(
         lambda: gradcomm.adasum("node", local_axis="local"), before=False, hierarchical=True
     ),
-    "terngrad": Case(lambda: gradcomm.terngrad("data", seed=1), before=True),
+    "terngrad": Case(lambda **kw: gradcomm.terngrad("data", seed=1, **kw), before=True, specs=True),
     "lags": Case(lambda: gradcomm.lags("data", density=0.25), before=False),
     "slgs": Case(lambda: gradcomm.slgs("data", density=0.25), before=False),
     "sgp": Case(lambda: gradcomm.sgp("data"), before=False, per_device=True, synced=False),
@@ -102,7 +105,9 @@ CASES = {
     ),
     # rank 1 and rate 1: the (2, 4) leaf is compressed (the defaults would send it dense)
     "powersgd": Case(
-        lambda: gradcomm.powersgd("data", rank=1, min_compression_rate=1.0), before=True
+        lambda **kw: gradcomm.powersgd("data", rank=1, min_compression_rate=1.0, **kw),
+        before=True,
+        specs=True,
     ),
     "low_precision": Case(lambda: gradcomm.low_precision("data"), before=True, rtol=2**-8),
 }
@@ -414,6 +419,44 @@ def _run(name: str, context: str, n: int, params: dict, grads: list[dict]) -> li
 
         runs = [flat(jax.block_until_ready(fn(nest(params), nest(g)))) for g in grads]
     return [jax.tree.map(np.asarray, r) for r in runs]
+
+
+# ------------------------------------------------------------------------------------------
+# A model axis beside the data axes (tensor parallelism): "w" split over it by columns
+
+MODEL_SPECS = {"w": P(None, "model"), "b": P(), "s": P()}
+
+
+def _model_axis_run(name: str, mesh: Mesh, specs: dict, params: dict, grads: dict) -> dict:
+    """The method's first update in a jitted `shard_map` over every axis of `mesh`."""
+    case = CASES[name]
+    split = any(p != P() for p in specs.values())
+    tx = case.make(specs=specs if split else None) if case.specs else case.make()
+    data = tuple(a for a in mesh.axis_names if a != "model")
+    in_specs = {k: P(data if len(data) > 1 else data[0], *specs[k]) for k in SHAPES}
+
+    def body(p: Any, g: Any) -> Any:
+        p, g = (jax.tree.map(lambda x: x[0], t) for t in (p, g))
+        return jax.tree.map(lambda x: x[None], tx.update(g, tx.init(p), p)[0])
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_specs,) * 2, out_specs=in_specs))
+    put = lambda t: {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in t.items()}  # noqa: E731
+    return jax.tree.map(np.asarray, fn(put(params), put(grads)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_model_axis_gives_the_whole_tensor_reference(name):
+    data = {"node": 2, "local": 2} if CASES[name].hierarchical else {"data": N}
+    mesh = parallel.make_mesh({**data, "model": 2}, devices=jax.devices()[: 2 * N])
+    params, grads = _params_rows(name, N), _rows(7, N)
+    got = _model_axis_run(name, mesh, MODEL_SPECS, params, grads)
+    want = _reference(name, params, grads)
+    if want is None:  # random codes: the same as on the whole tensors with the same seed
+        whole = parallel.make_mesh(data, devices=jax.devices()[:N])
+        want = _model_axis_run(name, whole, {k: P() for k in SHAPES}, params, grads)
+    rtol = CASES[name].rtol
+    for key in SHAPES:
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=rtol / 10, err_msg=key)
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
