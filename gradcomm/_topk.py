@@ -72,7 +72,13 @@ def magnitude_bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(_magnitude(x.astype(wide)), itype)
 
 
-def kth_largest(keys: jax.Array, k: jax.Array | int, *, top_bits: int | None = None) -> jax.Array:
+def kth_largest(
+    keys: jax.Array,
+    k: jax.Array | int,
+    *,
+    top_bits: int | None = None,
+    axes: tuple[str, ...] = (),
+) -> jax.Array:
     """The k-th largest of non-negative integer keys (k may be traced), by bisection.
 
     Args:
@@ -80,20 +86,34 @@ def kth_largest(keys: jax.Array, k: jax.Array | int, *, top_bits: int | None = N
       k: the rank, 1 <= k <= the number of keys that are >= 0.
       top_bits: find only the leading bits (after the sign bit) of the k-th largest and
         zero the rest: a lower bound reached in fewer passes.
+      axes: mesh axes over which `keys` is one piece of a larger array (a leaf sharded
+        for tensor parallelism, `gradcomm._shards`): each pass sums its count over them
+        (a scalar `psum`), so the result is the whole array's k-th largest, the same on
+        every piece.
 
     Returns:
       The largest t with `count(keys >= t) >= k` (among multiples of the dropped bits).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> keys = sparse.magnitude_bits(jnp.array([0.5, -3.0, 1.0, 2.0]))
+      >>> float(jax.lax.bitcast_convert_type(sparse.kth_largest(keys, 2), jnp.float32))
+      2.0
     """
     bits = 8 * keys.dtype.itemsize - 1
     lowest = bits - (top_bits or bits)
     one = jnp.ones((), keys.dtype)
     # Counting in float32 (exact below 2^24) lets XLA:CPU fuse the comparison into a
     # vectorized sum, about twice as fast as an integer count.
-    count_dtype = jnp.float32 if keys.size < 2**24 else jnp.int32
+    total = keys.size * math.prod(lax.axis_size(name) for name in axes)
+    count_dtype = jnp.float32 if total < 2**24 else jnp.int32
 
     def step(i: jax.Array, t: jax.Array) -> jax.Array:
         trial = t | (one << (bits - 1 - i).astype(keys.dtype))
         count = jnp.sum(jnp.where(keys >= trial, 1, 0).astype(count_dtype))
+        if axes:
+            count = lax.psum(count, axes)
         return jnp.where(count >= k, trial, t)
 
     return lax.fori_loop(0, bits - lowest, step, jnp.zeros_like(keys, shape=()))

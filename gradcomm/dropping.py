@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _schedule, sparse, wire
+from gradcomm import _axes, _checks, _schedule, _shards, sparse, wire
 
 Local = Literal["sum", "compensated"]
 LOCAL_MODES = (None, *get_args(Local))
@@ -50,14 +50,18 @@ def drop_rate(count: jax.Array, drop_ratio: float, warmup_steps: int) -> jax.Arr
     return jnp.where(count < warmup_steps, warm, jnp.float32(drop_ratio))
 
 
-def _drop_by_threshold(acc: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _drop_by_threshold(
+    acc: jax.Array, keep: jax.Array, axes: tuple[str, ...] = ()
+) -> tuple[jax.Array, jax.Array]:
     """Algorithm 1, lines 4-7, for a traced count `keep`: (sent, residual), both dense.
 
     The threshold is the keep-th largest |acc| (found by bisection on its bits, no sort);
-    entries at least that large are sent (ties at the threshold all go).
+    entries at least that large are sent (ties at the threshold all go). Where `acc` is
+    one piece of a leaf sharded over mesh `axes`, the threshold is the whole leaf's (each
+    pass's count summed over them).
     """
     magnitude = sparse.magnitude_bits(acc)
-    mask = magnitude >= sparse.kth_largest(magnitude, keep)
+    mask = magnitude >= sparse.kth_largest(magnitude, keep, axes=axes)
     return jnp.where(mask, acc, 0), jnp.where(mask, 0, acc)
 
 
@@ -84,6 +88,12 @@ def gradient_dropping(
     `drop_rate` and, as it changes every step, S is sent densely (a psum); the threshold
     is then Algorithm 1's: every entry at least as large as the k-th largest goes.
 
+    Inside `shard_map` over a mesh with axes beyond `axis_name` (tensor parallelism), a
+    leaf sharded over them is a piece of its tensor: the kept count, the threshold and
+    the size tests are the whole tensor's (`sparse.topk_over_shards`, or during warm-up
+    each bisection pass's count summed over the shard axes), each piece sends about 1/S
+    of the pairs, and every `local` mode gives the whole tensor's result, bit for bit.
+
     Args:
       axis_name: the mesh axis (or tuple of axes) of the nodes.
       drop_ratio: the dropped fraction in [0, 1) (0.99 sends 1%, Marian's convention).
@@ -99,7 +109,8 @@ def gradient_dropping(
 
     Raises:
       ValueError: for a drop ratio outside [0, 1), an unknown `local` or selector, or a bad
-        `warmup_steps`; at trace time for an unbound axis or a non-floating leaf.
+        `warmup_steps`; at trace time for an unbound axis, a non-floating leaf, or a mesh
+        with axes beyond `axis_name` under `shard_map(check_vma=False)`.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -146,37 +157,51 @@ def gradient_dropping(
         residuals = jax.tree.leaves(state.residual)
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         accs = [sparse.accumulate(residuals[i], leaves[i]) for i in ids]
+        # A leaf sharded over mesh axes beyond axis_name (tensor parallelism) is a piece
+        # here: its k, threshold and size tests are the whole leaf's.
+        shards = [_shards.shard_axes(a, axis_name, "gradient_dropping") for a in accs]
+        wholes = [a.size * _shards.num_shards(axes) for a, axes in zip(accs, shards, strict=True)]
 
         def local_gradient(i: int, dtype: Any) -> jax.Array:
             return leaves[i].ravel().astype(dtype)
 
+        def select(a: jax.Array, axes: tuple[str, ...], whole: int) -> Any:
+            k = sparse.num_kept(whole, 1 - drop_ratio)
+            if axes:
+                return sparse.topk_over_shards([a], [axes], k, selector)[0]
+            return sparse.topk(a, k, selector)
+
         def steady() -> tuple[list[jax.Array], list[jax.Array]]:
-            sent = [sparse.topk(a, sparse.num_kept(a.size, 1 - drop_ratio), selector) for a in accs]
+            sent = [select(a, ax, w) for a, ax, w in zip(accs, shards, wholes, strict=True)]
             sizes = [a.size for a in accs]
             # G arrives divided by N where nothing is added to it.
-            totals = sparse.sum_sparse(sent, sizes, axis_name, divide_by=None if local else n)
-            combined = []
-            for total, (values, idx), i in zip(totals, sent, ids, strict=True):
+            totals = sparse.sum_sparse(
+                sent, sizes, axis_name, divide_by=None if local else n, shards=shards
+            )
+            combined, kept = [], []
+            for total, picked, a, axes, i in zip(totals, sent, accs, shards, ids, strict=True):
+                values, idx = picked[:2]  # a piece's unselected indices lie past its end
                 if local is not None:
                     lg = local_gradient(i, total.dtype)
                     c = (total + lg) / n
                     if local == "compensated":  # (G + (L - S)) / N differs only where S is
-                        patch = (total[idx] + (lg[idx] - values.astype(total.dtype))) / n
-                        c = c.at[idx].set(patch, unique_indices=True)
+                        at = jnp.minimum(idx, a.size - 1) if axes else idx
+                        patch = (total[at] + (lg[at] - values.astype(total.dtype))) / n
+                        if axes:
+                            c = c.at[idx].set(patch, mode="drop")
+                        else:
+                            c = c.at[idx].set(patch, unique_indices=True)
                     total = c
                 combined.append(total)
-            kept = [
-                sparse.unsent(a, idx, residuals[i])
-                for (_, idx), a, i in zip(sent, accs, ids, strict=True)
-            ]
+                kept.append(sparse.unsent(a, idx, residuals[i], unique_indices=not axes))
             return combined, kept
 
         def warming() -> tuple[list[jax.Array], list[jax.Array]]:
             rate = drop_rate(state.count, drop_ratio, warmup_steps)
             mine, kept = [], []
-            for a, i in zip(accs, ids, strict=True):
-                keep = jnp.clip(jnp.round((1 - rate) * a.size), 1, a.size).astype(jnp.int32)
-                sent, residual = _drop_by_threshold(a, keep)
+            for a, axes, whole, i in zip(accs, shards, wholes, ids, strict=True):
+                keep = jnp.clip(jnp.round((1 - rate) * whole), 1, whole).astype(jnp.int32)
+                sent, residual = _drop_by_threshold(a, keep, axes)
                 mine.append(sent.astype(_axes.compute_dtype(sent.dtype)))
                 kept.append(sparse.as_residual(residual, residuals[i]))
             combined = []

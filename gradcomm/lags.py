@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _leafwise, _packing, sparse
+from gradcomm import _axes, _checks, _flat, _leafwise, _packing, _shards, sparse
 from gradcomm._lags_plan import LagsPlan, lags_plan, lags_profile, lags_speedup_bound
 
 __all__ = [
@@ -100,6 +100,12 @@ def lags(
     densities) are sent dense; all other leaves of one dtype are merged into one
     fixed-capacity all-gather (the paper merges small tensors the same way).
 
+    Inside `shard_map` over a mesh with axes beyond `axis_name` (tensor parallelism), a
+    leaf sharded over them is a piece of its tensor: k, the size test and the top k are
+    the whole tensor's (`sparse.topk_over_shards`; ties at the threshold go to lower
+    positions in shard-major order), each piece sends about 1/S of the pairs over
+    `axis_name`, and the result is the whole tensor's, bit for bit.
+
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
       density: k/d in (0, 1]: one float for every leaf, a mapping from leaf names (or
@@ -115,7 +121,8 @@ def lags(
     Raises:
       ValueError: for a density outside (0, 1] or an unknown selector at construction;
         at trace time for density names that match no leaf or leaves with no density,
-        an unbound axis or a non-floating leaf.
+        an unbound axis, a non-floating leaf, or a mesh with axes beyond `axis_name`
+        under `shard_map(check_vma=False)` (which hides which leaves are sharded).
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -142,14 +149,23 @@ def lags(
         densities = _leaf_densities(density, names)
         out, new_residuals = list(leaves), list(residuals)
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
-        sent, sizes = [], []
+        sent, sizes, shards = [], [], []
         for i in ids:
             acc = sparse.accumulate(residuals[i], leaves[i])
-            values, indices = sparse.topk(acc, sparse.num_kept(acc.size, densities[i]), selector)
-            sent.append((values, indices))
+            axes = _shards.shard_axes(acc, axis_name, "lags")
+            k = sparse.num_kept(acc.size * _shards.num_shards(axes), densities[i])
+            if axes:  # a piece of the leaf: the whole leaf's top k
+                picked = sparse.topk_over_shards([acc], [axes], k, selector)[0]
+                sent.append(picked)
+                kept = sparse.unsent(acc, picked.indices, residuals[i], unique_indices=False)
+            else:
+                values, indices = sparse.topk(acc, k, selector)
+                sent.append((values, indices))
+                kept = sparse.unsent(acc, indices, residuals[i])
             sizes.append(acc.size)
-            new_residuals[i] = sparse.unsent(acc, indices, residuals[i])
-        means = sparse.sum_sparse(sent, sizes, axis_name, divide_by=n)
+            shards.append(axes)
+            new_residuals[i] = kept
+        means = sparse.sum_sparse(sent, sizes, axis_name, divide_by=n, shards=shards)
         for i, mean in zip(ids, means, strict=True):
             out[i] = mean.astype(leaves[i].dtype).reshape(leaves[i].shape)
         return out, new_residuals
@@ -169,6 +185,13 @@ def slgs(
     across all leaves at once, so a leaf may send many entries or none. Leaves are joined in
     their common dtype.
 
+    With leaves sharded over mesh axes beyond `axis_name` (tensor parallelism), D is the
+    whole model's size and the top k the whole model's: its order (for ties at the
+    threshold) is one group of leaves per set of shard axes, first seen first, each
+    group in shard-major order over this device's concatenation of its pieces
+    (`sparse.topk_over_shards`). Each device of those axes sends 1/S of the k pairs
+    (`sparse.sum_sparse_over_shards`); the result is the whole model's, bit for bit.
+
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
       density: k/D in (0, 1].
@@ -176,6 +199,10 @@ def slgs(
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `SlgsState`.
+
+    Raises:
+      ValueError: for a density outside (0, 1] or an unknown selector at construction; at
+        trace time as for `lags`.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -203,6 +230,9 @@ def slgs(
         accs = [
             sparse.accumulate(r, u).astype(dtype) for r, u in zip(residuals, leaves, strict=True)
         ]
+        shards = [_shards.shard_axes(a, axis_name, "slgs") for a in accs]
+        if any(shards):
+            return _slgs_over_shards(leaves, residuals, accs, shards, axis_name, density, selector)
         acc = _packing.concatenate(accs)
         values, indices = sparse.topk(acc, sparse.num_kept(acc.size, density), selector)
         sizes = [a.size for a in accs]
@@ -220,6 +250,43 @@ def slgs(
     return _leafwise.with_residuals("slgs", axis_name, SlgsState, step)
 
 
+def _slgs_over_shards(
+    leaves: list[jax.Array],
+    residuals: list[jax.Array],
+    accs: list[jax.Array],
+    shards: list[tuple[str, ...]],
+    axis_name: _axes.AxisName,
+    density: float,
+    selector: sparse.Selector,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """SLGS where some leaves are pieces of tensors sharded over mesh axes (`_shards`).
+
+    The leaves form one group per set of shard axes (first seen first), each this
+    device's concatenation of its pieces; the whole model is the groups in that order,
+    each in shard-major order (`sparse.topk_over_shards`, which also says how ties are
+    broken). k is the whole model's; the exchange sends each device's share of it.
+    """
+    n = _axes.axis_size(axis_name)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, (a, axes) in enumerate(zip(accs, shards, strict=True)):
+        if a.size:
+            groups.setdefault(axes, []).append(i)
+    axes = list(groups)
+    pieces = [_packing.concatenate([accs[i] for i in ids]) for ids in groups.values()]
+    sizes = [piece.size for piece in pieces]
+    whole = sum(size * _shards.num_shards(a) for size, a in zip(sizes, axes, strict=True))
+    picked = sparse.topk_over_shards(pieces, axes, sparse.num_kept(whole, density), selector)
+    means = sparse.sum_sparse_over_shards(picked, sizes, axes, axis_name, divide_by=n)
+    out, new_residuals = list(leaves), list(residuals)
+    for ids, p, mean in zip(groups.values(), picked, means, strict=True):
+        starts = _flat.offsets([accs[i].size for i in ids])
+        for i, start, end in zip(ids, starts, starts[1:], strict=False):
+            out[i] = mean[start:end].astype(leaves[i].dtype).reshape(leaves[i].shape)
+            segment = sparse.segment(p.indices, start, end - start)
+            new_residuals[i] = sparse.unsent(accs[i], segment, residuals[i], unique_indices=False)
+    return out, new_residuals
+
+
 def lags_delta(
     acc: Any,
     density: Density,
@@ -234,6 +301,7 @@ def lags_delta(
     with `x_p = residual + update` on device p (what `lags` selects from) and the
     denominator's expectation `(1 - k/d) |sum_p x_p|^2`. Call inside `shard_map` (or a named
     `vmap`) over `axis_name`; it sums dense vectors, so it is a diagnostic, not a fast path.
+    A leaf sharded over other mesh axes (tensor parallelism) gives its whole tensor's delta.
 
     Args:
       acc: this device's pytree of accumulated updates.
@@ -262,10 +330,18 @@ def lags_delta(
     deltas = []
     for leaf, d in zip(leaves, densities, strict=True):
         x = leaf.ravel().astype(_axes.compute_dtype(leaf.dtype))
-        k = sparse.num_kept(x.size, d)
-        values, indices = sparse.topk(x, k, selector)
-        total, sent = lax.psum((x, sparse.densify(values, indices, x.size)), axis_name)
-        missed = jnp.sum(jnp.square(total - sent))
-        expected = (1 - k / x.size) * jnp.sum(jnp.square(total))
+        axes = _shards.shard_axes(x, axis_name, "lags_delta")
+        whole = x.size * _shards.num_shards(axes)
+        k = sparse.num_kept(whole, d)
+        if axes:  # a piece of a sharded leaf: the whole leaf's top k, norms summed
+            picked = sparse.topk_over_shards([x], [axes], k, selector)[0]
+            mine = jnp.zeros_like(x).at[picked.indices].set(picked.values, mode="drop")
+        else:
+            mine = sparse.densify(*sparse.topk(x, k, selector), x.size)
+        total, sent = lax.psum((x, mine), axis_name)
+        missed, norm = jnp.sum(jnp.square(total - sent)), jnp.sum(jnp.square(total))
+        if axes:
+            missed, norm = lax.psum((missed, norm), axes)
+        expected = (1 - k / whole) * norm
         deltas.append(jnp.where(expected > 0, missed / expected, 0.0).astype(jnp.float32))
     return jax.tree.unflatten(treedef, deltas)

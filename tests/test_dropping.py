@@ -9,6 +9,8 @@ import optax
 import pytest
 import reference
 from helpers import mesh_of, per_device, run_steps, wire_against_psum
+from jax.sharding import PartitionSpec as P
+from test_sparse import assert_same_bits, sharded_against_whole
 
 import gradcomm
 from gradcomm import parallel
@@ -140,3 +142,46 @@ def test_wire_bytes_at_drop_ratio_099():
     tx = gradcomm.gradient_dropping("data", drop_ratio=0.99, local="compensated", warmup_steps=0)
     psum, report = wire_against_psum(lambda t: tx.update(t, tx.init(t))[0], 8)
     assert psum / report.total >= 10
+
+
+# Leaves sharded over a 'model' axis (tensor parallelism): the whole leaves' results, bit
+# for bit (the harness is test_sparse's), through the warm-up and after it.
+SHARDED = {"rows": P("model", None), "cols": P(None, "model"), "bias": P()}
+
+
+def sharded_grads(dtype, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {"rows": (16, 6), "cols": (5, 8), "bias": (6,)}
+    return {k: rng.standard_normal((steps, 2, *s)).astype(dtype) for k, s in shapes.items()}
+
+
+def dropping_factory(local, warmup_steps=2, selector="sampled"):
+    return functools.partial(
+        gradcomm.gradient_dropping,
+        "data",
+        drop_ratio=0.9,
+        local=local,
+        warmup_steps=warmup_steps,
+        selector=selector,
+    )
+
+
+@pytest.mark.parametrize(
+    ("local", "dtype"), [("compensated", jnp.bfloat16), ("sum", np.float16), (None, np.float16)]
+)
+def test_sharded_leaves_in_bf16_and_fp16_give_the_whole_leaves_bits(local, dtype):
+    make = dropping_factory(local, selector="exact")
+    assert_same_bits(*sharded_against_whole(make, sharded_grads(dtype), SHARDED))
+
+
+def test_sharded_zero_and_non_finite_gradients():
+    grads = sharded_grads(np.float32, steps=2)
+    grads["cols"][:] = 0
+    grads["rows"][:, :, 8:] = 0  # the second piece over 'model'
+    grads["rows"][1, 0, 2, [0, 5]] = [-np.inf, np.nan]
+    for warmup_steps in (0, 1):
+        make = dropping_factory("compensated", warmup_steps)
+        got, want = sharded_against_whole(make, grads, SHARDED)
+        assert_same_bits(got, want)
+        assert np.isfinite(got["rows"][0]).all() and not np.isfinite(got["rows"][1]).all()
+        np.testing.assert_array_equal(got["cols"], 0)

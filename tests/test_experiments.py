@@ -101,8 +101,10 @@ def test_help_shows_defaults(script, monkeypatch, capsys):
     shown = capsys.readouterr().out
     assert "--out" in shown and "(default:" in shown and "--quiet" in shown
     assert "examples:\n" in shown and f"python experiments/{script}" in shown
-    # One process per emulated host: the network benchmark simulates no devices.
-    assert ("--devices" in shown) == (script not in ("bench_network.py", "bench_decode.py"))
+    # One process per emulated host: the network benchmark simulates no devices; the
+    # sharded bench simulates --data x --model.
+    no_devices = ("bench_network.py", "bench_decode.py", "bench_sharded.py")
+    assert ("--devices" in shown) == (script not in no_devices)
 
 
 # Each: a script's arguments and what its error message says.
@@ -124,6 +126,7 @@ BAD_ARGUMENTS = [
     ("local_gradients.py", ["--models", "gru"], "unknown model(s): gru"),
     ("bench_collectives.py", ["--methods", "nope"], "unknown method(s): nope"),
     ("bench_scaling.py", ["--devices", "0"], "must be at least 1"),
+    ("bench_sharded.py", ["--model", "3"], "--model must divide --hidden"),
     ("bench_decode.py", ["--max-devices", "1"], "--max-devices must be at least 2"),
 ]
 
@@ -207,7 +210,10 @@ def test_one_registry_builds_and_models_every_method():
 
 
 def test_every_study_is_listed():
-    benches = {"bench_collectives.py", "bench_decode.py", "bench_network.py", "bench_scaling.py"}
+    benches = {
+        "bench_collectives.py", "bench_decode.py", "bench_network.py", "bench_scaling.py",
+        "bench_sharded.py",
+    }  # fmt: skip
     own = {"powersgd_rank.py"}  # its smoke test and more: tests/test_powersgd_rank.py
     others = {"train.py", "compare.py", *benches, *own}
     assert set(STUDIES) | others == set(SCRIPTS)
@@ -364,6 +370,27 @@ def test_bench_collectives_writes_ratios(tmp_path):
         assert r["wire_bytes"]["adasum"] <= 1.2 * r["wire_bytes"]["psum"]
     check_provenance(study["provenance"], devices=4, seeds=[0])
     assert (tmp_path / "bench_collectives.png").stat().st_size > 0
+
+
+def test_bench_sharded_splits_the_data_axis_bytes(tmp_path):
+    result = run("bench_sharded.py", "--hidden", "64", "--width", "32", "--quiet",
+                 "--out", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = json.loads((tmp_path / "bench_sharded.json").read_text())
+    check_provenance(study["provenance"], devices=8, seeds=[])
+    rows = {r["method"]: r for r in study["tensor_parallel"]}
+    # Over 'data', the leaves split in two cost half; the whole bias (32 of 4192 elements)
+    # and the per-leaf statistics a little more.
+    for name in ("allreduce", "low_precision bf16", "adasum"):
+        assert 0.5 <= rows[name]["data_ratio"] <= 0.52, (name, rows[name])
+    # At this size rounding shows: each piece sends ceil(k / 2) of a leaf's k pairs, and
+    # TernGrad packs each piece's codes into whole bytes and words (both 0.50 at the
+    # default size).
+    for name in ("lags 0.01", "slgs 0.01", "terngrad"):
+        assert 0.5 <= rows[name]["data_ratio"] <= 0.6, (name, rows[name])
+    fsdp = {r["method"]: r for r in study["fsdp"]}
+    assert fsdp["allreduce"]["by_kind"]["reduce-scatter"] > 0
+    assert "|" in (tmp_path / "bench_sharded.md").read_text()
 
 
 @pytest.mark.slow

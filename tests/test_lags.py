@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 import reference
 from helpers import per_device, run_steps, wire_against_psum
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_sparse import assert_same_bits, explicit_mesh, sharded_against_whole
 
 import gradcomm
 
@@ -205,3 +208,68 @@ def test_wire_bytes_at_density_one_in_a_thousand():
     tx = gradcomm.lags("data", density=0.001)
     psum, report = wire_against_psum(lambda t: tx.update(t, tx.init(t))[0], 8)
     assert psum / report.total >= 100
+
+
+# Leaves sharded over a 'model' axis (tensor parallelism): the whole leaves' results, bit
+# for bit (the harness is test_sparse's).
+SHARDED = {"rows": P("model", None), "cols": P(None, "model"), "bias": P()}
+
+
+def sharded_grads(dtype, steps=2, data=2, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {"rows": (16, 6), "cols": (5, 8), "bias": (6,)}
+    return {k: rng.standard_normal((steps, data, *s)).astype(dtype) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(("method", "dtype"), [("lags", jnp.bfloat16), ("slgs", np.float16)])
+def test_sharded_leaves_in_bf16_and_fp16_give_the_whole_leaves_bits(method, dtype):
+    factory = gradcomm.lags if method == "lags" else gradcomm.slgs
+    make = functools.partial(factory, "data", density=0.1, selector="exact")
+    assert_same_bits(*sharded_against_whole(make, sharded_grads(dtype), SHARDED))
+
+
+@pytest.mark.parametrize("method", ["lags", "slgs"])
+def test_sharded_zero_and_non_finite_updates(method):
+    """A leaf of zeros (ties everywhere: sent zeros whatever the order), a piece of zeros,
+    and non-finite values (sent first, so the residual stays finite)."""
+    factory = gradcomm.lags if method == "lags" else gradcomm.slgs
+    grads = sharded_grads(np.float32, steps=3)
+    grads["cols"][:] = 0
+    grads["rows"][:, :, :8] = 0  # the first piece over 'model'
+    grads["rows"][0, 1, 12, [1, 4]] = [np.nan, np.inf]
+    make = functools.partial(factory, "data", density=0.1, selector="sampled")
+    got, want = sharded_against_whole(make, grads, SHARDED)
+    assert_same_bits(got, want)
+    assert np.isnan(got["rows"][0, :, 12, 1]).all() and np.isfinite(got["rows"][1:]).all()
+    np.testing.assert_array_equal(got["cols"], 0)
+
+
+def test_slgs_on_a_model_split_over_two_axes_and_a_density_of_one():
+    """Pieces over ('a', 'b') (4 of them, k not a multiple of 4), and density 1, where the
+    model goes dense: the whole model's bits."""
+    specs = {"rows": P(("a", "b"), None), "cols": P(None, "b"), "bias": P()}
+    grads = sharded_grads(np.float32, data=2, seed=1)
+    for density in (0.07, 1.0):
+        make = functools.partial(gradcomm.slgs, "data", density=density)
+        got, want = sharded_against_whole(make, grads, specs, (2, 2, 2), ("data", "a", "b"))
+        assert_same_bits(got, want)
+
+
+def test_delta_on_sharded_leaves_is_the_whole_leaves():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 12, 4)).astype(np.float32)
+    mesh = explicit_mesh((2, 2), ("data", "model"))
+
+    def delta(a):
+        return gradcomm.lags_delta(a[0], 0.2, "data")[None, None]
+
+    spec = P("data", "model")
+    f = jax.jit(jax.shard_map(delta, mesh=mesh, in_specs=spec, out_specs=spec))
+    got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, spec))))
+    want = per_device(whole_delta_fn, 2, x)
+    assert got.shape == (2, 2)
+    np.testing.assert_allclose(got, np.stack([want, want], 1), rtol=1e-6)
+
+
+def whole_delta_fn(a):
+    return gradcomm.lags_delta(a, 0.2, "data")

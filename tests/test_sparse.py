@@ -1,12 +1,17 @@
 """The sparse core: top-k selection, fixed-capacity exchange, exact residuals."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
 from helpers import per_device
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import gradcomm
 from gradcomm import _topk, sparse
 
 
@@ -280,3 +285,128 @@ def test_the_loop_decode_has_the_bits_of_the_sort_decode(tmp_path):
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     assert [r["n"] for r in rows] == [2, 3, 4]
     assert all(r["same_bits"] for r in rows)
+
+
+# Leaves sharded over a mesh axis beyond the data axis (tensor parallelism, issue 27). The
+# harness runs a transformation for a few steps under shard_map over a (data, model...)
+# mesh and over the data axis alone on the whole leaves; test_lags and test_dropping use it.
+
+
+@functools.cache
+def explicit_mesh(shape, names):
+    """A mesh of Explicit axes over the first prod(shape) devices."""
+    devices = jax.devices()[: int(np.prod(shape))]
+    return jax.make_mesh(
+        shape, names, devices=devices, axis_types=(AxisType.Explicit,) * len(shape)
+    )
+
+
+def run_on_mesh(tx, grads, mesh, specs, check_vma=True):
+    """Per device, the outputs of `tx.update` on grads `(steps, data, *leaf)`, stacked
+    `(steps, data, *leaf)`, each leaf split over the mesh by its spec (beyond 'data')."""
+    steps = len(next(iter(grads.values())))
+    in_specs = {k: P(None, "data", *specs[k]) for k in grads}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[:, 0], g)
+        params = jax.tree.map(lambda x: x[0] * 0, g)  # typed like the grads
+        state, outs = tx.init(params), []
+        for t in range(steps):
+            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
+            outs.append(out)
+        return jax.tree.map(lambda *xs: jnp.stack(xs)[:, None], *outs)
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs, check_vma=check_vma
+    )
+    placed = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in grads.items()}
+    return jax.tree.map(np.asarray, jax.jit(mapped)(placed))
+
+
+def sharded_against_whole(make, grads, specs, shape=(2, 2), names=("data", "model")):
+    """`make()`'s outputs on leaves split by `specs` over a `shape` mesh of `names`, and on
+    the whole leaves over 'data' alone (the first axis): `(got, want)`."""
+    whole = explicit_mesh(shape[:1], names[:1])
+    want = run_on_mesh(make(), grads, whole, {k: P() for k in grads})
+    got = run_on_mesh(make(), grads, explicit_mesh(shape, names), specs)
+    return got, want
+
+
+def assert_same_bits(got, want):
+    for k in want:
+        assert got[k].dtype == want[k].dtype
+        np.testing.assert_array_equal(
+            got[k].view(np.uint8), want[k].view(np.uint8), err_msg=f"leaf {k!r}"
+        )
+
+
+def top_pieces(x, k, selector):
+    picked = sparse.topk_over_shards([x[0]], [("model",)], k, selector)[0]
+    return picked.indices[None], picked.positions[None], picked.entries[None]
+
+
+@functools.cache
+def top_pieces_fn(k, selector, model):
+    mesh = explicit_mesh((2, model), ("data", "model"))
+    body = functools.partial(top_pieces, k=k, selector=selector)
+    spec = P("data", "model")
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, P("data"), P("data")))
+    return mesh, jax.jit(f)
+
+
+@pytest.mark.parametrize("selector", ["exact", "sampled"])
+@pytest.mark.parametrize("model", [2, 4])
+def test_topk_over_shards_is_the_whole_top_k_in_shard_major_order(selector, model):
+    """Ties across pieces (to lower positions of the whole), zeros and non-finite values:
+    the same set as `topk` on the whole row, every piece agreeing on it."""
+    rng = np.random.default_rng(model)
+    size, k = 96, 10
+    x = rng.standard_normal((2, size)).astype(np.float32)
+    x[0] = np.round(x[0])  # many ties at the threshold, across the pieces
+    x[1, : size // 2] = 0  # whole pieces of zeros
+    x[1, [3, 60]] = [np.nan, -np.inf]  # non-finite: sent first
+    mesh, f = top_pieces_fn(k, selector, model)
+    out = f(jax.device_put(x, NamedSharding(mesh, P("data", "model"))))
+    indices, positions, entries = map(np.asarray, out)
+    local = size // model
+    for row in range(2):
+        want = np.sort(np.asarray(sparse.topk(jnp.asarray(x[row]), k)[1]))
+        np.testing.assert_array_equal(np.sort(positions[row]), want)
+        np.testing.assert_array_equal(entries[row], x[row][positions[row]])
+        pieces = indices[row].reshape(model, -1)
+        mine = [s * local + i for s in range(model) for i in pieces[s] if i < local]
+        np.testing.assert_array_equal(np.sort(mine), want)  # the pieces' own picks
+
+
+def test_topk_over_shards_rejects_k_out_of_range():
+    with pytest.raises(ValueError, match="k must be"):
+        sparse.topk_over_shards([jnp.ones(4)], [()], 5)
+
+
+def test_the_data_axis_carries_one_share_of_a_sharded_leafs_pairs():
+    """wire.measure per replica group: over 'data' (groups of 4), a leaf split in S = 2
+    pieces costs half of the whole leaf's exchange; the pooling runs over 'model'."""
+    from gradcomm import wire
+
+    shape, density = (256, 64), 0.01  # k = 164 pairs of the whole leaf
+    tx = gradcomm.lags("data", density=density, selector="exact")
+
+    def data_bytes(mesh, spec):
+        def body(g):
+            return tx.update(g, tx.init(g))[0]
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+        x = jax.ShapeDtypeStruct((4 * shape[0], shape[1]), jnp.float32)
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        report = wire.measure(f, x)
+        by_group = {}
+        for c in report.collectives:
+            by_group[c.group_size] = by_group.get(c.group_size, 0) + c.sent
+        return by_group
+
+    whole = data_bytes(explicit_mesh((4,), ("data",)), P("data"))
+    split = data_bytes(explicit_mesh((4, 2), ("data", "model")), P("data", "model"))
+    k = sparse.num_kept(shape[0] * shape[1], density)
+    assert whole == {4: 3 / 4 * 4 * k * 8}  # an all-gather of k (value, index) pairs
+    assert split[4] == whole[4] / 2  # k / 2 pairs per device over 'data'
+    assert set(split) == {2, 4}  # and small statistics and the pooling over 'model'
