@@ -59,7 +59,7 @@ def allreduce(
     """
     _axes.check_axis_name(axis_name)
     if dtype is not None:
-        return low_precision(axis_name, dtype)
+        return low_precision(axis_name, dtype, specs=specs)
 
     def init_fn(params: Any) -> AllReduceState:
         del params

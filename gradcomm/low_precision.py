@@ -66,6 +66,24 @@ buffer, so a piece's mean is the whole tensor's, bit for bit. The ring starts ea
 element's sum on a device set by its place in the buffer (as a leaf's bits there
 depend on the leaves before it): a piece's mean is the ring's sum of it, within the same
 bound, not always the same bits as the whole tensor's.
+
+With FSDP (ZeRO-3: `specs` splits a leaf's leading dimension over the data axes,
+`P("data", ...)`, as `gradcomm.parallel.shard_params` places it), the update of such a
+leaf comes in whole and each device keeps only its shard of the mean: the exchange's
+reduce-scatter without its gather. These leaves are laid out as `(N, m)`, row j every
+such leaf's shard j (`gradcomm._shards.to_rows`), rounded to 16 bits as above, and moved
+by the same scheme: the bits' `all_to_all` and float32 sum in device order, a
+`lax.psum_scatter` in `dtype` for the psum, `reduce_scatter_ring` or
+`reduce_scatter_pairwise`. Each device sends (N - 1) / N of their 16-bit bytes, half of
+the 16-bit all-reduce's and of `gradcomm.allreduce(specs=...)`'s float32 reduce-scatter
+(XLA:CPU runs a bfloat16 reduce-scatter in float32, as it does a psum: on CPU, bfloat16
+uses the bits). A shard's values are the same bits as the slice of the whole mean for
+the bits, psum and pairwise schemes; the ring's sum of an element starts on the device
+after its row, elsewhere than in the fused buffer, so there a shard is within the
+ring's bound of the mean, not always its bits (a row being a shard, a piece of it split
+over a model axis is the whole shard's, for every scheme). Its flags are known on one device only,
+so one more collective, a `lax.pmax` of two int32 words over the data (and shard) axes,
+keeps the overflow flag and count the same on every device.
 """
 
 from __future__ import annotations
@@ -114,7 +132,11 @@ def check_dtype(dtype: Any) -> np.dtype:
 
 
 def low_precision(
-    axis_name: _axes.AxisName = "data", dtype: Any = jnp.bfloat16, exchange: Exchange = "auto"
+    axis_name: _axes.AxisName = "data",
+    dtype: Any = jnp.bfloat16,
+    exchange: Exchange = "auto",
+    *,
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Replaces each update by its mean over the devices, sent as 16-bit floats.
 
@@ -128,7 +150,9 @@ def low_precision(
     place it before the optimizer to average gradients, or after it to average updates;
     `gradcomm.allreduce(axis_name, dtype=...)` is this transformation. Leaves sharded over
     mesh axes besides `axis_name` (a model axis) keep their types, and the state stays
-    replicated over every axis (see the module docstring).
+    replicated over every axis (see the module docstring). With FSDP (`specs`), each
+    device receives only its shard of the 16-bit mean of a split leaf: the exchange's
+    reduce-scatter alone, (N - 1) / N of the leaf's 16-bit bytes per device.
 
     Args:
       axis_name: the mesh axis, or tuple of axes, to average over.
@@ -144,6 +168,11 @@ def low_precision(
         two-member reduce-scatters and gathered by doubling) or "auto" (on CPU devices
         in several processes, where gloo carries the collectives: "pairwise" at N = 2,
         "ring" above; elsewhere bits for bfloat16 off GPU and the psum otherwise).
+      specs: None, or the params' `PartitionSpec`s (a pytree like them). A leaf whose spec
+        splits its leading dimension over `axis_name`, `P("data", ...)`, is FSDP-sharded:
+        its update comes in whole (the gradient of the gathered param) and leaves as this
+        device's shard of the mean (its leading dimension divided by N), through the
+        exchange's reduce-scatter without the gather.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LowPrecisionState`
@@ -152,7 +181,8 @@ def low_precision(
     Raises:
       ValueError: at construction for a malformed axis name, a `dtype` other than
         bfloat16 or float16 or an unknown `exchange`, and at trace time for an axis that
-        is not bound or a leaf that is not floating point.
+        is not bound, a leaf that is not floating point, `specs` not shaped like the
+        updates, or an FSDP leaf whose leading dimension N does not divide.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -175,6 +205,15 @@ def low_precision(
       >>> jax.vmap(step, axis_name="data")(jnp.array([[1.2e5], [1.2e5]]))
       (Array([inf, inf], dtype=float32), Array([ True,  True], dtype=bool))
 
+      With FSDP, device j keeps row j of the mean of a leaf split over "data":
+
+      >>> from jax.sharding import PartitionSpec as P
+      >>> tx = low_precision("data", specs=P("data"))
+      >>> grads = jnp.array([[1.0, 3.14159], [2.0, 3.14159]])  # whole, one row per device
+      >>> jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(grads)
+      Array([[1.5     ],
+             [3.140625]], dtype=float32)
+
     References:
       PyTorch, `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`:
       `fp16_compress_hook` and `bf16_compress_hook` (DDP communication hooks).
@@ -194,25 +233,53 @@ def low_precision(
         del params, extra_args
         _checks.check_updates(updates, axis_name, "low_precision")
         n = _axes.axis_size(axis_name)
-        leaves, treedef = jax.tree.flatten(updates)
-        live = [i for i, leaf in enumerate(leaves) if jnp.size(leaf)]
-        if not live:
-            return updates, LowPrecisionState(jnp.array(False), state.overflow_count)
-        how = _resolve(exchange, axis_name, n, wire)
-        groups = _shard_groups([(i, jnp.asarray(leaves[i])) for i in live], axis_name)
-        grouped = [[x for _, x in members] for _, members in groups]
-        if how == "psum":  # one variadic all-reduce for every buffer
-            results = list(zip(*_psum_mean(grouped, axis_name, n, wire), strict=True))
-        else:
-            results = [_bits_mean(xs, _all_finite(xs), axis_name, n, wire, how) for xs in grouped]
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        leaves = [leaf for _, leaf in paths_leaves]
+        split = _fsdp_leaves(specs, updates, [path for path, _ in paths_leaves], axis_name)
         out = list(leaves)
+        live = []
+        for i, leaf in enumerate(leaves):
+            if jnp.size(leaf):
+                live.append(i)
+            elif split[i]:  # an empty leaf's shard is empty too
+                out[i] = _empty_shard(jnp.asarray(leaf), n)
+        if not live:
+            return jax.tree.unflatten(treedef, out), LowPrecisionState(
+                jnp.array(False), state.overflow_count
+            )
+        how = _resolve(exchange, axis_name, n, wire)
         flags = []  # per buffer: (its mean is not finite, some inputs were not finite)
-        for (axes, members), (means, flag) in zip(groups, results, strict=True):
-            for (i, x), m in zip(members, means, strict=True):
-                out[i] = m.reshape(x.shape).astype(x.dtype)
-            # A sharded leaf's pieces on the devices of its shard axes make one tensor: the
-            # flags of the whole tensor, the same on each of them (the state is replicated).
-            flags.append(lax.pmax(flag, axes) if axes else flag)
+        whole = [(i, jnp.asarray(leaves[i])) for i in live if not split[i]]
+        if whole:
+            groups = _shard_groups(whole, axis_name)
+            grouped = [[x for _, x in members] for _, members in groups]
+            if how == "psum":  # one variadic all-reduce for every buffer
+                results = list(zip(*_psum_mean(grouped, axis_name, n, wire), strict=True))
+            else:
+                results = [
+                    _bits_mean(xs, _all_finite(xs), axis_name, n, wire, how) for xs in grouped
+                ]
+            for (axes, members), (means, flag) in zip(groups, results, strict=True):
+                for (i, x), m in zip(members, means, strict=True):
+                    out[i] = m.reshape(x.shape).astype(x.dtype)
+                # A sharded leaf's pieces on the devices of its shard axes make one tensor:
+                # the flags of the whole tensor, the same on each of them (the state is
+                # replicated).
+                flags.append(lax.pmax(flag, axes) if axes else flag)
+        scattered = [(i, jnp.asarray(leaves[i])) for i in live if split[i]]
+        if scattered:
+            local, shard_axes = [], set()
+            for axes, members in _shard_groups(scattered, axis_name):
+                shards, flag = _scatter_mean([x for _, x in members], axis_name, n, wire, how)
+                for (i, x), shard in zip(members, shards, strict=True):
+                    out[i] = shard.astype(x.dtype)
+                local.append(flag)
+                shard_axes.update(axes)
+            # Each device knows its shards' flags only: one pmax makes them everyone's.
+            others = tuple(a for a in _shards.other_manual_axes(axis_name) if a in shard_axes)
+            over = (*_axes.axis_names(axis_name), *others)
+            stacked = jnp.stack([_axes.vary(f, over) for f in local])
+            flags.append(lax.pmax(jnp.max(stacked, axis=0), over))
         mean_nonfinite = jnp.any(jnp.stack([f[0] for f in flags]))
         overflow = mean_nonfinite & ~jnp.any(jnp.stack([f[1] for f in flags]))
         count = jnp.where(
@@ -257,6 +324,27 @@ def _shard_groups(
         axes = tuple(a for a in others if a in varying) if checked else others
         groups.setdefault(axes, []).append((i, leaf))
     return list(groups.items())
+
+
+def _fsdp_leaves(
+    specs: Any, updates: Any, paths: list[Any], axis_name: _axes.AxisName
+) -> list[bool]:
+    """Per leaf, whether `specs` splits it over the data axes (FSDP): a reduce-scatter."""
+    if specs is None:
+        return [False] * len(paths)
+    leaf_specs = _shards.leaf_specs(specs, updates, "low_precision")
+    names = _checks.leaf_names(paths)
+    return [
+        _shards.scattered(spec, axis_name, "low_precision", name)
+        for spec, name in zip(leaf_specs, names, strict=True)
+    ]
+
+
+def _empty_shard(leaf: jax.Array, n: int) -> jax.Array:
+    """The (empty) shard of an empty FSDP leaf; raises where n does not divide its rows."""
+    if not leaf.ndim or leaf.shape[0] % n:
+        _shards.to_rows([leaf], n, "low_precision")  # raises its error
+    return leaf[: leaf.shape[0] // n]
 
 
 def _all_finite(xs: list[jax.Array]) -> jax.Array:
@@ -347,3 +435,44 @@ def _bits_mean(
     values = lax.bitcast_convert_type(gathered[:, :chunk].reshape(-1), wire)
     means = [values[start:end] for start, end in itertools.pairwise(_flat.offsets(sizes))]
     return means, flags
+
+
+def _scatter_mean(
+    xs: list[jax.Array],
+    axis_name: _axes.AxisName,
+    n: int,
+    wire: np.dtype,
+    how: Literal["bits", "pairwise", "psum", "ring"],
+) -> tuple[list[jax.Array], jax.Array]:
+    """This device's shards of the mean of whole FSDP leaves: the reduce-scatter alone.
+
+    The leaves are rounded to `wire` as in `_bits_mean` (divided by n first, except for
+    "bits") and laid out as `(n, m)` by `_shards.to_rows`, row j every leaf's shard j;
+    device j receives row j reduced as the exchange reduces: "bits" by an `all_to_all`
+    and float32 sums in device order divided by n, "psum" by a `lax.psum_scatter` in
+    `wire`, "ring" and "pairwise" by `_collectives.reduce_scatter_ring` and
+    `reduce_scatter_pairwise`. Returns the leaves' shards (in `wire`) and this device's
+    flags (`_flags`: its shards' mean is not finite, its inputs were not).
+    """
+    finite = _all_finite(xs)
+    if how != "bits":
+        xs = [x.astype(_axes.compute_dtype(x.dtype)) / n for x in xs]
+    parts = [lax.bitcast_convert_type(x.astype(wire), jnp.uint16) for x in xs]
+    rows = _axes.vary(_shards.to_rows(parts, n, "low_precision"), axis_name)  # (n, m)
+    if how == "bits":
+        mine = lax.all_to_all(rows, axis_name, 0, 0, tiled=True)
+        received = lax.bitcast_convert_type(mine, wire).astype(jnp.float32)
+        acc = received[0]
+        for j in range(1, n):  # device order, as in `_bits_mean`
+            acc = acc + received[j]
+        mean = (acc / n).astype(wire)
+    elif how == "psum":
+        values = lax.bitcast_convert_type(rows, wire)
+        mean = lax.psum_scatter(values, axis_name, scatter_dimension=0, tiled=True)[0]
+    else:
+        values = lax.bitcast_convert_type(rows, wire)
+        ring = how == "ring"
+        reduce = _collectives.reduce_scatter_ring if ring else _collectives.reduce_scatter_pairwise
+        mean = reduce(values, axis_name)
+    shards = _shards.from_rows(mean, [x.shape for x in xs], n)
+    return shards, _flags(~jnp.all(jnp.isfinite(mean)), ~finite)

@@ -3,7 +3,9 @@
 Held against a float64 NumPy mean within the 16-bit formats' rounding, on 1 to 8
 simulated devices; bfloat16 also bit for bit against a NumPy model of its scheme (float32
 sums, in device order, of the bfloat16 values), and the ring and pairwise exchanges
-against NumPy models of theirs. The wire is read from compiled programs.
+against NumPy models of theirs. The wire is read from compiled programs. With FSDP
+(`specs`), each device's shard against the slice of the mean without specs, its bytes
+(a 16-bit reduce-scatter) and `parallel.train_step` against the replicated run.
 """
 
 import jax
@@ -588,3 +590,385 @@ def test_leaves_sharded_over_a_model_axis(exchange):
     big = _on_mesh(exchange, two, data, MODEL_SPECS, _model_rows(seed=41, big=7e5))
     assert big[F16.name][1].all()  # the mean 1.75e5 overflows float16 on all 8 devices
     assert not big[BF16.name][1].any()
+
+
+# FSDP (ZeRO-3, issue 27): leaves split over the data axes along their leading dimension
+# (`specs`); each device keeps its shard of the 16-bit mean, by the reduce-scatter alone.
+# Shard shapes; an FSDP leaf's whole leading dimension is n times this one.
+FSDP_SHAPES = {"w": (2, 3), "v": (3,), "half": (1, 2), "brain": (1, 2, 2), "bias": (5,), "s": ()}
+FSDP_KEYS = ("brain", "half", "v", "w")  # in tree order
+
+
+def _fsdp_rows(n, seed, scale=1.0):
+    """Per device, the whole updates: the FSDP leaves n times their shard's rows."""
+    rng = np.random.default_rng(seed)
+    rows = {}
+    for k, s in FSDP_SHAPES.items():
+        shape = (s[0] * n, *s[1:]) if k in FSDP_KEYS else s
+        rows[k] = (rng.standard_normal((n, *shape)) * scale).astype(DTYPES.get(k, np.float32))
+    return rows
+
+
+def _fsdp_mesh(exchange, n):
+    """(the data axes for the method, the mesh): size-2 axes for the pairwise scheme."""
+    if exchange == "pairwise":
+        axes = parallel.pairwise_axes("data", n)
+        names = tuple(axes)
+        return (names if len(names) > 1 else names[0]), parallel.make_mesh(
+            axes, devices=jax.devices()[:n]
+        )
+    return "data", mesh_of(n)
+
+
+def _fsdp_specs(data):
+    return {k: P(data) if k in FSDP_KEYS else P() for k in FSDP_SHAPES}
+
+
+def _fsdp_run(exchange, n, rows):
+    """Per device, both formats' results with specs (the FSDP leaves as this device's
+    shard) and without (whole), and the states; one compilation."""
+    data, mesh = _fsdp_mesh(exchange, n)
+    device = P(data)
+    txs = {
+        (d.name, sharded): low_precision(
+            data, d, exchange, specs=_fsdp_specs(data) if sharded else None
+        )
+        for d in (BF16, F16)
+        for sharded in (True, False)
+    }
+
+    def body(t):
+        t = {k: x[0] for k, x in t.items()}
+        out = {}
+        for key, tx in txs.items():
+            mean, state = tx.update(t, tx.init(t))
+            out[key] = ({k: x[None] for k, x in mean.items()}, state)
+        return out
+
+    out_specs = {key: (device, P()) for key in txs}  # the state leaves replicated
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(device,), out_specs=out_specs))
+    placed = jax.device_put(rows, NamedSharding(mesh, device))
+    return jax.tree.map(np.asarray, step(placed))
+
+
+def _shard(x, j, n):
+    """Shard j of n of a whole leaf, along its leading dimension."""
+    size = len(x) // n
+    return x[j * size : (j + 1) * size]
+
+
+def fsdp_ring_scheme(rows, wire):
+    """NumPy model of the ring on FSDP leaves: the rows of `_shards.to_rows` (row j every
+    FSDP leaf's shard j, in tree order) summed as `ring_scheme` sums its chunks, row j
+    starting on device j + 1. Returns per FSDP leaf the (n, *shard) shards, row j device
+    j's; the other leaves go in a buffer of their own, as `ring_scheme` sums them."""
+    n = len(rows[FSDP_KEYS[0]])
+    layout = np.concatenate(
+        [np.asarray(rows[k], np.float32).reshape(n, n, -1) for k in FSDP_KEYS], axis=2
+    )  # (device, row, element)
+    mean = ring_scheme({"rows": layout.reshape(n, -1)}, wire)["rows"].reshape(n, -1)
+    out, start = {}, 0
+    for k in FSDP_KEYS:
+        shard = (rows[k].shape[1] // n, *rows[k].shape[2:])
+        size = int(np.prod(shard))
+        out[k] = mean[:, start : start + size].reshape(n, *shard)
+        start += size
+    out.update(ring_scheme({k: rows[k] for k in FSDP_SHAPES if k not in FSDP_KEYS}, wire))
+    return out
+
+
+FSDP_N = [(e, n) for e in ("bits", "psum", "ring") for n in (1, 2, 3, 4, 8)]
+FSDP_N += [("pairwise", n) for n in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize(("exchange", "n"), FSDP_N, ids=[f"{e}-{n}" for e, n in FSDP_N])
+def test_fsdp_shard_is_the_slice_of_the_whole_mean(exchange, n):
+    """With specs splitting some leaves over 'data' (float32, float16 and bfloat16 ones,
+    beside two whole leaves), device j receives shard j of each such leaf's mean, in both
+    wire formats: for the bits, psum and pairwise schemes the same bits as shard j of
+    the mean without specs (each element is summed in the same order wherever it lies);
+    for the ring exactly its model on the rows of `_shards.to_rows` (an element's sum
+    starts on the device after its row, not after its chunk of the fused buffer). Every
+    result is within the scheme's bound of the float64 mean, so a ring shard is within
+    twice that bound of the ring's unsharded mean. The state stays replicated."""
+    rows = _fsdp_rows(n, seed=50 + n)
+    results = _fsdp_run(exchange, n, rows)
+    bound = tolerance if exchange == "bits" else rounded_sums_bound
+    for dtype in (BF16, F16):
+        (got, state), (whole, _) = results[dtype.name, True], results[dtype.name, False]
+        model = fsdp_ring_scheme(rows, dtype) if exchange == "ring" else None
+        for key, x in rows.items():
+            split = key in FSDP_KEYS
+            assert got[key].dtype == x.dtype and got[key].shape[0] == n, (dtype, key)
+            if not split:
+                assert got[key].shape == x.shape and _same_bits(got[key]), (dtype, key)
+            reference, limit = reference_mean(x), bound(x, n, dtype)
+            for j in range(n):
+                mine = got[key][j]
+                if split:
+                    reference_j, limit_j = _shard(reference, j, n), _shard(limit, j, n)
+                    assert mine.shape == _shard(x[j], j, n).shape, (dtype, key)
+                else:
+                    reference_j, limit_j = reference, limit
+                if model is None:
+                    expected = _shard(whole[key][j], j, n) if split else whole[key][j]
+                else:
+                    expected = model[key][j] if split else model[key]
+                np.testing.assert_array_equal(mine, expected.astype(x.dtype), err_msg=key)
+                err = np.abs(mine.astype(np.float64) - reference_j)
+                assert (err <= limit_j).all(), (dtype, key, j, err.max())
+        assert not state.overflow.any() and not state.overflow_count.any()
+
+
+@pytest.mark.parametrize("exchange", ["bits", "psum", "ring"])
+def test_fsdp_overflow_in_one_shard_is_flagged_everywhere(exchange):
+    """A float16 overflow in one device's shard alone (the others' means fit) is flagged
+    on every device, and a non-finite input there is not an overflow."""
+    n = 4
+    rows = {k: x for k, x in _fsdp_rows(n, seed=60).items() if k in ("w", "bias")}
+    big = {k: x.copy() for k, x in rows.items()}
+    big["w"][:, 3 * 2, 0] = 7e4  # all devices, in row 0 of shard 3: the mean 7e4
+    bad = {k: x.copy() for k, x in rows.items()}
+    bad["w"][1, 3 * 2, 0] = np.inf  # device 1 only, in shard 3
+    specs = {"w": P("data"), "bias": P()}
+    tx = low_precision("data", jnp.float16, exchange, specs=specs)
+    mesh = mesh_of(n)
+
+    def body(t):
+        mean, state = tx.update({k: x[0] for k, x in t.items()}, tx.init(t))
+        return {k: x[None] for k, x in mean.items()}, state
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P())))
+    placed = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))  # noqa: E731
+    out, state = step(placed(big))
+    w = np.asarray(out["w"])
+    assert np.isposinf(w[3, 0, 0]) and np.isfinite(np.delete(w.reshape(n, -1), 0, 1)).all()
+    assert np.isfinite(w[:3]).all() and bool(state.overflow)
+    out, state = step(placed(bad))
+    assert not np.isfinite(np.asarray(out["w"])[3, 0, 0]) and not bool(state.overflow)
+    assert np.isfinite(np.asarray(out["w"])[:3]).all()
+
+
+def _fsdp_wire(tx, n, shapes, specs):
+    """The wire report of `tx.update` on whole per-device updates, compiled."""
+    mesh = mesh_of(n)
+    sharding = NamedSharding(mesh, P("data"))
+    tree = {
+        k: jax.ShapeDtypeStruct((n, *s), np.float32, sharding=sharding) for k, s in shapes.items()
+    }
+    out_specs = {k: P("data") for k in shapes}
+
+    def body(t):
+        out, state = tx.update({k: x[0] for k, x in t.items()}, tx.init(t))
+        return {k: x[None] for k, x in out.items()}, state
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=(out_specs, P()))
+    return wire.measure(jax.jit(mapped), tree)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_fsdp_wire_is_half_of_the_reduce_scatter(n):
+    """The FSDP leaves leave as a 16-bit reduce-scatter: (n - 1) / n of their 16-bit bytes
+    per device, half of `allreduce(specs=...)`'s float32 reduce-scatter, by every
+    exchange: the bits' all-to-all, float16's reduce-scatter, the ring's n - 1 permutes,
+    the pairwise scheme's log2 n two-member reduce-scatters. One all-reduce of two int32
+    words (the flags) is added. The whole bias keeps its path (an all-to-all and an
+    all-gather of bfloat16 bits, or float16's all-reduce)."""
+    shapes = {"w1": (64, 256), "w2": (256, 64)}
+    split = sum(int(np.prod(s)) for s in shapes.values())
+    specs = {k: P("data") for k in shapes}
+    share = (n - 1) / n
+    flags = 2 * share * 8  # the pmax of two int32 words
+    dense = _fsdp_wire(gradcomm.allreduce("data", specs=specs), n, shapes, specs)
+    assert dense.by_kind() == {"reduce-scatter": share * 4 * split}
+    for dtype, exchange, kind in [
+        (jnp.bfloat16, "auto", "all-to-all"),
+        (jnp.float16, "auto", "reduce-scatter"),
+        (jnp.float16, "bits", "all-to-all"),
+        (jnp.bfloat16, "ring", "collective-permute"),
+        (jnp.float16, "ring", "collective-permute"),
+    ]:
+        tx = low_precision("data", dtype, exchange, specs=specs)
+        report = _fsdp_wire(tx, n, shapes, specs)
+        assert report.by_kind() == {kind: share * 2 * split, "all-reduce": flags}, (
+            dtype,
+            exchange,
+            report.by_kind(),
+        )
+        assert report.by_kind()[kind] == dense.total / 2
+    # With a whole leaf beside them, that leaf keeps today's exchange and bytes.
+    mixed = {**shapes, "b": (64,)}
+    mixed_specs = {**specs, "b": P()}
+    bf16 = _fsdp_wire(low_precision("data", specs=mixed_specs), n, mixed, mixed_specs).by_kind()
+    bias = share * 2 * 64  # 64 elements: no padding for n | 64
+    assert bf16 == {
+        "all-to-all": share * 2 * split + bias,
+        "all-gather": bias + 2 * (n - 1),
+        "all-reduce": flags,
+    }
+    f16 = low_precision("data", jnp.float16, specs=mixed_specs)
+    f16 = _fsdp_wire(f16, n, mixed, mixed_specs).by_kind()
+    assert f16 == {
+        "reduce-scatter": share * 2 * split,
+        "all-reduce": 2 * share * 2 * 65 + flags,  # the bias and its flag element
+    }
+
+
+def test_fsdp_pairwise_wire():
+    n = 8
+    axes = parallel.pairwise_axes("data", n)
+    names = tuple(axes)
+    mesh = parallel.make_mesh(axes, devices=jax.devices()[:n])
+    shapes = {"w1": (64, 256), "w2": (256, 64)}
+    split = sum(int(np.prod(s)) for s in shapes.values())
+    specs = {k: P(names) for k in shapes}
+    sharding = NamedSharding(mesh, P(names))
+    tree = {
+        k: jax.ShapeDtypeStruct((n, *s), np.float32, sharding=sharding) for k, s in shapes.items()
+    }
+    for dtype in (jnp.bfloat16, jnp.float16):
+        tx = low_precision(names, dtype, "pairwise", specs=specs)
+
+        def body(t, tx=tx):
+            out, state = tx.update({k: x[0] for k, x in t.items()}, tx.init(t))
+            return {k: x[None] for k, x in out.items()}, state
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names), P()))
+        report = wire.measure(jax.jit(mapped), tree)
+        kinds = [c.kind for c in report.collectives for _ in range(c.count)]
+        assert sorted(kinds) == ["all-reduce"] + ["reduce-scatter"] * 3, kinds
+        assert report.by_kind() == {
+            "reduce-scatter": (n - 1) / n * 2 * split,
+            "all-reduce": 2 * (n - 1) / n * 8,
+        }
+
+
+def _mlp(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] + params["b2"] - batch["y"]) ** 2)
+
+
+def _mlp_problem():
+    rng = np.random.default_rng(7)
+    params = {
+        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
+        "b1": rng.standard_normal(16).astype(np.float32) / 10,
+        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
+        "b2": np.zeros(5, np.float32),
+    }
+    batches = [
+        {
+            "x": rng.standard_normal((16, 8)).astype(np.float32),
+            "y": rng.standard_normal((16, 5)).astype(np.float32),
+        }
+        for _ in range(5)
+    ]
+    return params, batches
+
+
+MLP_FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
+
+
+def _train(tx, mesh, params, batches):
+    state = parallel.init_state(tx, params, mesh)
+    step = parallel.train_step(_mlp, tx, mesh)
+    for batch in batches:
+        params, state, _ = step(params, state, batch)
+    return jax.tree.map(np.asarray, params), state
+
+
+@pytest.mark.parametrize(
+    ("dtype", "exchange"),
+    [(jnp.bfloat16, "auto"), (jnp.float16, "auto"), (jnp.bfloat16, "ring")],
+    ids=["bf16-bits", "f16-psum", "bf16-ring"],
+)
+def test_fsdp_train_step_matches_the_replicated_one(dtype, exchange):
+    """parallel.train_step with the MLP's kernels split over 'data' (params and Adam's
+    moments 1/N per device) and `low_precision(specs=...)` before Adam gives the
+    replicated run's params: the bits and the psum give the same 16-bit means, so the
+    params agree within float32 rounding (1e-6 of the largest entry; bfloat16 bit for
+    bit, float16 within 6e-8 here). The ring's means differ from the replicated ring's
+    by a 16-bit rounding here and there (its sums start on other devices), which Adam's
+    normalized step (at most about lr per element) carries at about two roundings,
+    2^-7 relative for bfloat16: within lr * steps * 2^-7 = 3.9e-4 (1.4e-4 here)."""
+    mesh = mesh_of(4)
+    params, batches = _mlp_problem()
+    adam = optax.adam(1e-2)
+    whole = optax.chain(low_precision("data", dtype, exchange), adam)
+    want, _ = _train(whole, mesh, parallel.replicate(params, mesh), batches)
+    split = optax.chain(low_precision("data", dtype, exchange, specs=MLP_FSDP_SPECS), adam)
+    placed = parallel.shard_params(params, mesh, MLP_FSDP_SPECS)
+    got, state = _train(split, mesh, placed, batches)
+    rtol = 1e-6 if exchange == "auto" else None
+    for k in params:
+        assert not np.allclose(got[k], params[k]), k  # it trained
+        if rtol is not None:
+            scale = np.abs(want[k]).max()
+            assert np.abs(got[k] - want[k]).max() <= rtol * scale, k
+        else:
+            assert np.abs(got[k] - want[k]).max() <= 1e-2 * len(batches) * 2.0**-7, k
+    low, adam_state = state[0], state[1][0]
+    assert isinstance(low, LowPrecisionState) and low.overflow.sharding.is_fully_replicated
+    assert adam_state.mu["w1"].addressable_shards[0].data.shape == (2, 16)
+
+
+def test_allreduce_with_a_dtype_passes_specs_through():
+    n = 2
+    rows = {"w": np.arange(n * 2 * n * 3, dtype=np.float32).reshape(n, 2 * n, 3) / 7}
+    specs = {"w": P("data")}
+    out = {}
+    for name, tx in (
+        ("allreduce", gradcomm.allreduce("data", dtype=jnp.bfloat16, specs=specs)),
+        ("low_precision", low_precision("data", jnp.bfloat16, specs=specs)),
+    ):
+        fn = jax.vmap(lambda g, tx=tx: tx.update(g, tx.init(g))[0], axis_name="data")
+        out[name] = np.asarray(jax.jit(fn)(rows)["w"])
+    assert out["allreduce"].shape == (n, 2, 3)  # each device's shard
+    np.testing.assert_array_equal(out["allreduce"], out["low_precision"])
+    mean = bf16_scheme(rows["w"]).astype(np.float32)
+    np.testing.assert_array_equal(out["allreduce"], mean.reshape(n, 2, 3))
+
+
+def _fsdp_on_model_mesh(exchange, mesh, model):
+    """Both formats' FSDP shards of a (8, 6) leaf split over 'data' by rows (and over
+    'model' by columns where `model`), beside a whole (7,) leaf, and the overflow flags."""
+    rng = np.random.default_rng(70)
+    rows = {
+        "k": rng.standard_normal((4, 8, 6)).astype(np.float32),
+        "b": rng.standard_normal((4, 7)).astype(np.float32),
+    }
+    cols = "model" if model else None
+    specs = {"k": P("data", cols), "b": P()}
+    in_specs = {"k": P("data", None, cols), "b": P("data")}
+    out_specs = {"k": P("data", None, cols), "b": P("data")}
+    txs = {d.name: low_precision("data", d, exchange, specs=specs) for d in (BF16, F16)}
+
+    def body(t):
+        t = {k: x[0] for k, x in t.items()}
+        out = {}
+        for name, tx in txs.items():
+            mean, state = tx.update(t, tx.init(t))
+            out[name] = ({k: x[None] for k, x in mean.items()}, state.overflow)
+        return out
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(in_specs,), out_specs={d: (out_specs, P()) for d in txs}
+    )
+    placed = {k: jax.device_put(x, NamedSharding(mesh, in_specs[k])) for k, x in rows.items()}
+    return jax.tree.map(np.asarray, jax.jit(mapped)(placed))
+
+
+@pytest.mark.parametrize("exchange", ["bits", "psum", "ring"])
+def test_fsdp_leaf_also_split_over_a_model_axis(exchange):
+    """A leaf split over 'data' by rows (FSDP) and over 'model' by columns, on a (data 4,
+    model 2) mesh: each device's piece of its shard is the same bits as the shard on the
+    4 data devices alone, for the ring too (a row is a shard, wherever its columns lie),
+    and the flags are reduced over both axes (the state leaves the map replicated)."""
+    _, two, one = _model_meshes(exchange)
+    got = _fsdp_on_model_mesh(exchange, two, model=True)
+    want = _fsdp_on_model_mesh(exchange, one, model=False)
+    for dtype in (BF16, F16):
+        (mean, overflow), (whole, _) = got[dtype.name], want[dtype.name]
+        assert mean["k"].shape == (4, 2, 6) and not overflow
+        for key in mean:
+            np.testing.assert_array_equal(mean[key], whole[key], err_msg=f"{dtype} {key}")
