@@ -176,6 +176,15 @@ TP_CASES = {
     "powersgd": TpCase(
         lambda specs: gradcomm.powersgd("data", rank=2, min_compression_rate=1.0, specs=specs)
     ),
+    "gradient_dropping": TpCase(
+        lambda specs: gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=2)
+    ),
+    "gradient_dropping_local": TpCase(
+        lambda specs: gradcomm.gradient_dropping(
+            "data", drop_ratio=0.9, warmup_steps=0, local="compensated"
+        ),
+        per_device=True,
+    ),
     "sgp": TpCase(lambda specs: gradcomm.sgp("data"), before=False, per_device=True),
     "dpsgd": TpCase(lambda specs: gradcomm.dpsgd("data"), before=False, per_device=True),
     "local_sgd": TpCase(None, per_device=True, sync=lambda: gradcomm.local_sgd("data", every=2)),
