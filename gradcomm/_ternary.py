@@ -9,6 +9,13 @@ own, digit-major (`gradcomm._packing`), so that drawing, clipping and packing ar
 pass over the leaf and unpacking one pass over the codes. `code_sums` is the exchange:
 an all-gather of the packed codes, or an all-to-all of them and an all-gather of their
 sums in base 2N + 1 (`pick_strategy` takes the one that sends fewer bits).
+
+For FSDP leaves (split along their leading dimension over the data axes, each device
+keeping its shard of the result), `pack_shards` packs the codes of each of a leaf's n
+shards on its own, numbered by their place in the whole leaf, and `shard_code_sums` is a
+reduce-scatter of them: one all-to-all of the packed codes, after which device j sums
+shard j of every device's codes; (N - 1) / N of the packed codes sent per device, and no
+sums travel back.
 """
 
 from __future__ import annotations
@@ -144,6 +151,50 @@ def pack_leaf(
     return _packing.pack(rows, 3, jnp.uint8)
 
 
+def _shard_index(n: int, m: int, start: int, width: int) -> jax.Array:
+    """Columns `[start, start + width)` of a leaf's `(n, m)` view (n shards of m elements),
+    as each element's index in the flat leaf: `(n, width)` uint32."""
+    shape = (n, width)
+    rows = lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(m)
+    return rows + lax.broadcasted_iota(jnp.uint32, shape, 1) + jnp.uint32(start)
+
+
+@jax.named_scope("compress")
+def pack_shards(
+    g: jax.Array,
+    bound: jax.Array,
+    scale: jax.Array,
+    words: jax.Array,
+    start: int,
+    n: int,
+    index: jax.Array | None = None,
+) -> jax.Array:
+    """The codes of one leaf's n shards, each packed as `pack_leaf` packs a leaf: `(n, b)`.
+
+    Shard j is the j-th of n equal slices of `g` along its leading dimension (the piece
+    that FSDP keeps on device j), contiguous in the flat `g`; row j of the result holds
+    its bytes, which `unpack_leaf(rows, g.size // n)` reads back. Elements are numbered as
+    `codes` numbers them in the whole `g`: `start + index`, `index` by default each
+    element's place in the flat `g`; so the codes are `pack_leaf`'s, only laid out per
+    shard.
+    """
+    flat = g.reshape(n, -1)
+    m = flat.shape[1]
+    b, starts = _row_starts(m)
+    pad = max(starts[-1] + b - m, 0)  # tiny shards: pad them
+    flat = jnp.pad(flat, ((0, 0), (0, pad))) if pad else flat
+    full = None if index is None else index.reshape(n, m)
+    full = jnp.pad(full, ((0, 0), (0, pad))) if pad and full is not None else full
+
+    def row(s: int) -> jax.Array:
+        piece = lax.slice(flat, (0, s), (n, s + b))
+        where = _shard_index(n, m, s, b) if full is None else lax.slice(full, (0, s), (n, s + b))
+        return codes(piece, bound, scale, words, start, where)
+
+    rows = [row(s) + 1 for s in starts]
+    return _packing.pack(rows, 3, jnp.uint8)
+
+
 @jax.named_scope("combine")
 def unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
     """Inverse of `pack_leaf`'s layout: the digit rows `(b,)` of one leaf to `(size,)`."""
@@ -183,6 +234,28 @@ def code_sums(
     gathered = _collectives.all_gather_invariant(words, axis_name)  # (n, PER_BYTE, words)
     digits = _packing.unpack(gathered, 2 * n + 1, axis=0).astype(dtype)
     sums = digits.transpose(2, 1, 0, 3).reshape(PER_BYTE, -1)  # (PER_BYTE, n * chunk)
+    return [
+        [sums[i, start:end] for i in range(PER_BYTE)] for start, end in itertools.pairwise(offsets)
+    ]
+
+
+@jax.named_scope("exchange")
+def shard_code_sums(
+    packed: list[jax.Array], axis_name: _axes.AxisName, n: int
+) -> list[list[jax.Array]]:
+    """Per leaf, the digit rows of the sum over devices of the codes of this device's
+    shard, plus n: in [0, 2n] (`sum_dtype(n)`), each row `(b,)` for `unpack_leaf`.
+
+    `packed` holds each leaf's `(n, b)` bytes from `pack_shards`. They travel as one
+    `(n, bytes)` buffer, row j every leaf's shard j, in one all-to-all: device j receives
+    row j of every device's buffer and sums it, and nothing else travels. Each device sends
+    (n - 1) / n of its packed codes: a reduce-scatter of the codes.
+    """
+    dtype = sum_dtype(n)
+    offsets = _flat.offsets([p.shape[1] for p in packed])
+    flat = packed[0] if len(packed) == 1 else jnp.concatenate(packed, axis=1)
+    mine = lax.all_to_all(flat, axis_name, 0, 0, tiled=True)  # row i: from device i
+    sums = _packing.digit_sums(mine, 3, dtype)  # (PER_BYTE, bytes)
     return [
         [sums[i, start:end] for i in range(PER_BYTE)] for start, end in itertools.pairwise(offsets)
     ]

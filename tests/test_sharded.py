@@ -260,6 +260,8 @@ def _is_adam(x):
 FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
 FSDP_CASES = {  # name: make(specs) -> the method, which sits before Adam
     "allreduce": lambda specs: gradcomm.allreduce("data", specs=specs),
+    "low_precision": lambda specs: gradcomm.low_precision("data", "bfloat16", specs=specs),
+    "terngrad": lambda specs: gradcomm.terngrad("data", seed=1, specs=specs),
 }
 
 
