@@ -72,6 +72,7 @@ def gradient_dropping(
     local: Local | None = None,
     warmup_steps: int = 1000,
     selector: sparse.Selector = "sampled",
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient dropping with error feedback, optionally combined with the local gradient.
 
@@ -94,6 +95,28 @@ def gradient_dropping(
     each bisection pass's count summed over the shard axes), each piece sends about 1/S
     of the pairs, and every `local` mode gives the whole tensor's result, bit for bit.
 
+    With FSDP (ZeRO-3, `specs`: a param split along its leading dimension over
+    `axis_name`, `P("data", ...)`, as `gradcomm.parallel.shard_params` places it), the
+    gradient of such a leaf comes in whole (that of the gathered param) and leaves as
+    this device's shard of C, the same bits as the slice of C without FSDP: E, the top k
+    and the residual are the whole gradient's, as above; G's pairs go in the same
+    all-gather and each device decodes only its shard (`sparse.sum_scattered`: (N - 1) k
+    pairs per device, as without FSDP, since no fixed-capacity exchange can send the
+    (N - 1) / N k of a reduce-scatter exactly; see `gradcomm.sparse`), and the warm-up's
+    dense S goes in a reduce-scatter, (N - 1) / N of the bytes of its all-reduce. In
+    C = (G + L) / N and (G - S + L) / N, L and S are then this device's shard of its own
+    L and S: device j's shard is the slice of device j's C without FSDP. As each shard
+    lives on one device only, there is one copy of the params and nothing drifts: shard
+    j steps with device j's local gradient (no `sync` is needed, nor possible on FSDP
+    leaves). A leaf not split over the data axes still gets each device's own C, which
+    `parallel.train_step` allows only with per-device params (FSDP needs replicated
+    ones): with `local`, split every param, or use `local=None`. The residual is this
+    device's unsent part of its whole gradient, whole-sized and per device: `init`
+    builds it, `(1, rows, ...)`, from the shard it is given inside the map
+    (`parallel.init_state`; outside a map, from the whole param), and
+    `parallel.train_step` keeps it `(N, rows, ...)`. Params and the optimizer's state
+    after gradient dropping are 1/N per device; the residual is not.
+
     Args:
       axis_name: the mesh axis (or tuple of axes) of the nodes.
       drop_ratio: the dropped fraction in [0, 1) (0.99 sends 1%, Marian's convention).
@@ -102,6 +125,12 @@ def gradient_dropping(
         what it sent.
       warmup_steps: length of the drop-ratio warm-up (the paper's 1000); 0 turns it off.
       selector: "sampled" or "exact" top-k, as in `gradcomm.lags`.
+      specs: None, or the params' `PartitionSpec`s (a pytree like them). A leaf whose spec
+        splits its leading dimension over `axis_name`, `P("data", ...)`, is FSDP-split:
+        its gradient comes in whole and leaves as this device's shard of C, its leading
+        dimension divided by N (which must divide it). Other entries are not read (leaves
+        split over other mesh axes are known by their types); an FSDP leaf must not also
+        be split over another mesh axis.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -110,7 +139,10 @@ def gradient_dropping(
     Raises:
       ValueError: for a drop ratio outside [0, 1), an unknown `local` or selector, or a bad
         `warmup_steps`; at trace time for an unbound axis, a non-floating leaf, or a mesh
-        with axes beyond `axis_name` under `shard_map(check_vma=False)`.
+        with axes beyond `axis_name` under `shard_map(check_vma=False)`; with `specs`, for
+        specs not shaped like the gradients, an FSDP leaf whose leading dimension N does
+        not divide, that is split over other mesh axes too, or whose residual is not
+        whole-sized.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -120,6 +152,16 @@ def gradient_dropping(
       >>> state = tx.init(grads[0])
       >>> jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data")(grads)[0]
       Array([ 2. , -0.5], dtype=float32)
+
+      With FSDP, device j keeps element j of its C (the leaf split over "data"):
+
+      >>> from jax.sharding import PartitionSpec as P
+      >>> tx = gradcomm.gradient_dropping("data", drop_ratio=0.5, local="compensated",
+      ...                                 warmup_steps=0, specs=P("data"))
+      >>> state = tx.init(grads[0])  # outside a map: the residual from the whole param
+      >>> jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data")(grads)
+      Array([[ 2.],
+             [-1.]], dtype=float32)
 
     References:
       Aji, Heafield and Bogoychev, "Combining Global Sparse Gradients with Local Gradients
@@ -143,7 +185,7 @@ def gradient_dropping(
     def init_fn(params: Any) -> GradientDroppingState:
         return GradientDroppingState(
             count=_schedule.zero_count(),
-            residual=jax.tree.map(jnp.zeros_like, params),
+            residual=sparse.zero_residuals(params, specs, axis_name, "gradient_dropping"),
         )
 
     @jax.named_scope("gradcomm.gradient_dropping")
@@ -155,15 +197,33 @@ def gradient_dropping(
         n = _axes.axis_size(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)
+        fsdp = [False] * len(leaves)
+        if specs is not None:
+            paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(updates)]
+            names = _checks.leaf_names(paths)
+            fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "gradient_dropping")
+            for i in (i for i, split in enumerate(fsdp) if split):
+                sparse.check_whole_residual(
+                    residuals[i], leaves[i], n, "gradient_dropping", names[i]
+                )
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         accs = [sparse.accumulate(residuals[i], leaves[i]) for i in ids]
         # A leaf sharded over mesh axes beyond axis_name (tensor parallelism) is a piece
         # here: its k, threshold and size tests are the whole leaf's.
         shards = [_shards.shard_axes(a, axis_name, "gradient_dropping") for a in accs]
+        for axes, i in zip(shards, ids, strict=True):
+            if fsdp[i]:
+                sparse.check_fsdp_axes(axes, "gradient_dropping", names[i])
         wholes = [a.size * _shards.num_shards(axes) for a, axes in zip(accs, shards, strict=True)]
+        # An FSDP leaf (whole here, the gradient of the gathered param) leaves as this
+        # device's shard: its slice of the sums, of L and of S.
+        split = [fsdp[i] for i in ids]
+
+        def mine(x: jax.Array, i: int) -> jax.Array:
+            return sparse.own_shard(x, n, axis_name) if fsdp[i] else x
 
         def local_gradient(i: int, dtype: Any) -> jax.Array:
-            return leaves[i].ravel().astype(dtype)
+            return mine(leaves[i].ravel().astype(dtype), i)
 
         def select(a: jax.Array, axes: tuple[str, ...], whole: int) -> Any:
             k = sparse.num_kept(whole, 1 - drop_ratio)
@@ -176,7 +236,12 @@ def gradient_dropping(
             sizes = [a.size for a in accs]
             # G arrives divided by N where nothing is added to it.
             totals = sparse.sum_sparse(
-                sent, sizes, axis_name, divide_by=None if local else n, shards=shards
+                sent,
+                sizes,
+                axis_name,
+                divide_by=None if local else n,
+                shards=shards,
+                scatter=split if any(split) else None,
             )
             combined, kept = [], []
             for total, picked, a, axes, i in zip(totals, sent, accs, shards, ids, strict=True):
@@ -185,12 +250,15 @@ def gradient_dropping(
                     lg = local_gradient(i, total.dtype)
                     c = (total + lg) / n
                     if local == "compensated":  # (G + (L - S)) / N differs only where S is
-                        at = jnp.minimum(idx, a.size - 1) if axes else idx
-                        patch = (total[at] + (lg[at] - values.astype(total.dtype))) / n
-                        if axes:
-                            c = c.at[idx].set(patch, mode="drop")
+                        # Where S lies in c: an FSDP leaf's indices outside this device's
+                        # shard, like a piece's unselected ones, point past its end.
+                        at = sparse.shard_index(idx, a.size, n, axis_name) if fsdp[i] else idx
+                        clipped = jnp.minimum(at, c.size - 1) if axes or fsdp[i] else at
+                        patch = (total[clipped] + (lg[clipped] - values.astype(total.dtype))) / n
+                        if axes or fsdp[i]:
+                            c = c.at[at].set(patch, mode="drop")
                         else:
-                            c = c.at[idx].set(patch, unique_indices=True)
+                            c = c.at[at].set(patch, unique_indices=True)
                     total = c
                 combined.append(total)
                 kept.append(sparse.unsent(a, idx, residuals[i], unique_indices=not axes))
@@ -198,18 +266,30 @@ def gradient_dropping(
 
         def warming() -> tuple[list[jax.Array], list[jax.Array]]:
             rate = drop_rate(state.count, drop_ratio, warmup_steps)
-            mine, kept = [], []
+            sent, kept = [], []
             for a, axes, whole, i in zip(accs, shards, wholes, ids, strict=True):
                 keep = jnp.clip(jnp.round((1 - rate) * whole), 1, whole).astype(jnp.int32)
-                sent, residual = _drop_by_threshold(a, keep, axes)
-                mine.append(sent.astype(_axes.compute_dtype(sent.dtype)))
+                dense, residual = _drop_by_threshold(a, keep, axes)
+                sent.append(dense.astype(_axes.compute_dtype(dense.dtype)))
                 kept.append(sparse.as_residual(residual, residuals[i]))
+            if any(split):  # FSDP leaves' shards by a reduce-scatter, the others' psum
+                totals: list[Any] = [None] * len(sent)
+                for group, reduce in (
+                    ([j for j, s in enumerate(split) if not s], lax.psum),
+                    ([j for j, s in enumerate(split) if s], sparse.reduce_scatter_dense),
+                ):
+                    if group:
+                        sums = reduce([sent[j] for j in group], axis_name)
+                        for j, total in zip(group, sums, strict=True):
+                            totals[j] = total
+            else:
+                totals = lax.psum(sent, axis_name)
             combined = []
-            for total, sent, i in zip(lax.psum(mine, axis_name), mine, ids, strict=True):
+            for total, dense, i in zip(totals, sent, ids, strict=True):
                 if local == "sum":
                     total = total + local_gradient(i, total.dtype)
                 elif local == "compensated":
-                    total = total + (local_gradient(i, total.dtype) - sent)
+                    total = total + (local_gradient(i, total.dtype) - mine(dense, i))
                 combined.append(total / n)
             return combined, kept
 
@@ -225,8 +305,10 @@ def gradient_dropping(
             )
 
         out, new_residuals = list(leaves), list(residuals)
+        for i in (i for i, split in enumerate(fsdp) if split):
+            out[i] = leaves[i][: leaves[i].shape[0] // n]  # the shard's shape (and an empty one)
         for j, i in enumerate(ids):
-            out[i] = combined[j].astype(leaves[i].dtype).reshape(leaves[i].shape)
+            out[i] = combined[j].astype(leaves[i].dtype).reshape(out[i].shape)
             new_residuals[i] = kept[j]
         new_state = GradientDroppingState(
             count=optax.safe_increment(state.count),

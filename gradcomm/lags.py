@@ -87,6 +87,7 @@ def lags(
     *,
     density: Density = 0.001,
     selector: sparse.Selector = "sampled",
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """LAGS-SGD: each leaf's top-k entries, with residuals, averaged over the devices.
 
@@ -106,6 +107,24 @@ def lags(
     positions in shard-major order), each piece sends about 1/S of the pairs over
     `axis_name`, and the result is the whole tensor's, bit for bit.
 
+    With FSDP (ZeRO-3, `specs`: a param split along its leading dimension over
+    `axis_name`, `P("data", ...)`, as `gradcomm.parallel.shard_params` places it), the
+    update of such a leaf comes in whole (the gradient of the gathered param) and leaves
+    as this device's shard of the mean, the same bits as the slice of the mean without
+    FSDP: each device selects from its whole accumulator as above (same k, same pairs,
+    same residual), the pairs go in the same all-gather, and each device decodes only its
+    shard (`sparse.sum_scattered`). That is (N - 1) k pairs per device, as without FSDP:
+    no fixed-capacity exchange can send the (N - 1) / N k of a reduce-scatter exactly
+    (see `gradcomm.sparse`). The residual is this device's unsent part of its own whole
+    gradient, so it stays whole-sized and per device: `init` builds it, `(1, rows, ...)`,
+    from the shard it is given inside the map (`parallel.init_state`; outside a map,
+    from the whole param), and `parallel.train_step` keeps it `(N, rows, ...)`, one per
+    device. Params and the optimizer's state after lags are 1/N per device; the residual
+    is not. Place lags before the optimizer, or after a stateless one
+    (`optax.chain(optax.sgd(0.1), lags)`): an optimizer before it would see whole
+    gradients with state shaped like the shards (Adam's moments would have to be whole
+    and per device, N times FSDP's), which `parallel.init_state` rejects.
+
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
       density: k/d in (0, 1]: one float for every leaf, a mapping from leaf names (or
@@ -114,6 +133,12 @@ def lags(
       selector: "sampled" (a block-sampled threshold refined to exactly k without a sort:
         the same entries as `lax.top_k`, several times faster on a CPU for large k; see
         `gradcomm.sparse`) or "exact" (`lax.top_k`).
+      specs: None, or the params' `PartitionSpec`s (a pytree like them). A leaf whose spec
+        splits its leading dimension over `axis_name`, `P("data", ...)`, is FSDP-split:
+        its update comes in whole and leaves as this device's shard of the mean, its
+        leading dimension divided by N (which must divide it). Other entries are not read
+        (leaves split over other mesh axes are known by their types); an FSDP leaf must
+        not also be split over another mesh axis.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LagsState`.
@@ -122,7 +147,10 @@ def lags(
       ValueError: for a density outside (0, 1] or an unknown selector at construction;
         at trace time for density names that match no leaf or leaves with no density,
         an unbound axis, a non-floating leaf, or a mesh with axes beyond `axis_name`
-        under `shard_map(check_vma=False)` (which hides which leaves are sharded).
+        under `shard_map(check_vma=False)` (which hides which leaves are sharded); with
+        `specs`, for specs not shaped like the updates, an FSDP leaf whose leading
+        dimension N does not divide, that is split over other mesh axes too, or whose
+        residual is not whole-sized.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -134,6 +162,17 @@ def lags(
       (Array([ 2., -1.], dtype=float32), Array([[0., 1.],
              [0., 0.]], dtype=float32))
 
+      With FSDP, device j keeps element j of the mean (its shard of a leaf split over
+      "data"), and its whole-sized residual:
+
+      >>> from jax.sharding import PartitionSpec as P
+      >>> tx = gradcomm.lags("data", density=0.5, specs=P("data"))
+      >>> state = tx.init(updates[0])  # outside a map: from the whole param, (1, 2)
+      >>> out, state = jax.vmap(lambda u: tx.update(u, state), axis_name="data")(updates)
+      >>> out, state.residual.shape
+      (Array([[ 2.],
+             [-1.]], dtype=float32), (2, 1, 2))
+
     References:
       Shi et al., "Layer-wise Adaptive Gradient Sparsification for Distributed Deep
       Learning with Convergence Guarantees", ECAI 2020: eq. 5 and Algorithm 1.
@@ -143,16 +182,25 @@ def lags(
     sparse.check_selector(selector)
 
     def step(
-        leaves: list[jax.Array], names: list[str], residuals: list[jax.Array]
+        leaves: list[jax.Array],
+        names: list[str],
+        residuals: list[jax.Array],
+        fsdp: list[bool] | None = None,
     ) -> tuple[list[jax.Array], list[jax.Array]]:
         n = _axes.axis_size(axis_name)
         densities = _leaf_densities(density, names)
         out, new_residuals = list(leaves), list(residuals)
+        fsdp = fsdp or [False] * len(leaves)
+        for i in (i for i, split in enumerate(fsdp) if split):
+            sparse.check_whole_residual(residuals[i], leaves[i], n, "lags", names[i])
+            out[i] = _shard_shaped(leaves[i], n)  # an empty leaf's (empty) shard
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         sent, sizes, shards = [], [], []
         for i in ids:
             acc = sparse.accumulate(residuals[i], leaves[i])
             axes = _shards.shard_axes(acc, axis_name, "lags")
+            if fsdp[i]:
+                sparse.check_fsdp_axes(axes, "lags", names[i])
             k = sparse.num_kept(acc.size * _shards.num_shards(axes), densities[i])
             if axes:  # a piece of the leaf: the whole leaf's top k
                 picked = sparse.topk_over_shards([acc], [axes], k, selector)[0]
@@ -165,12 +213,44 @@ def lags(
             sizes.append(acc.size)
             shards.append(axes)
             new_residuals[i] = kept
-        means = sparse.sum_sparse(sent, sizes, axis_name, divide_by=n, shards=shards)
+        scatter = [fsdp[i] for i in ids] if any(fsdp) else None
+        means = sparse.sum_sparse(
+            sent, sizes, axis_name, divide_by=n, shards=shards, scatter=scatter
+        )
         for i, mean in zip(ids, means, strict=True):
-            out[i] = mean.astype(leaves[i].dtype).reshape(leaves[i].shape)
+            out[i] = mean.astype(leaves[i].dtype).reshape(out[i].shape)
         return out, new_residuals
 
-    return _leafwise.with_residuals("lags", axis_name, LagsState, step)
+    if specs is None:
+        return _leafwise.with_residuals("lags", axis_name, LagsState, step)
+
+    # With specs: `_leafwise.with_residuals`' frame, with FSDP residuals and flags.
+    def init_fn(params: Any) -> LagsState:
+        return LagsState(residual=sparse.zero_residuals(params, specs, axis_name, "lags"))
+
+    @jax.named_scope("gradcomm.lags")
+    def update_fn(
+        updates: Any, state: LagsState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LagsState]:
+        del params, extra_args
+        _checks.check_updates(updates, axis_name, "lags")
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        names = _checks.leaf_names([path for path, _ in paths_leaves])
+        fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "lags")
+        leaves = [leaf for _, leaf in paths_leaves]
+        out, residuals = step(leaves, names, jax.tree.leaves(state.residual), fsdp)
+        structure = jax.tree.structure(state.residual)
+        return jax.tree.unflatten(treedef, out), LagsState(
+            residual=jax.tree.unflatten(structure, residuals)
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _shard_shaped(leaf: jax.Array, n: int) -> jax.Array:
+    """The leading-dimension slice 0 of n of a whole FSDP leaf: its shard's shape and
+    dtype (n divides the leading dimension: `sparse.check_whole_residual` checked)."""
+    return leaf[: leaf.shape[0] // n]
 
 
 def slgs(

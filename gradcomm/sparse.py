@@ -1,6 +1,6 @@
 """Top-k sparsification with error feedback: the engine under LAGS-SGD and gradient dropping.
 
-Three pieces, shared by every sparse method:
+The pieces that every sparse method shares:
 
 * `topk(x, k, selector)`: exactly k (value, index) pairs of largest magnitude from a flat
   array, ties to lower indices, by `lax.top_k` or by a block-sampled threshold refined to
@@ -27,6 +27,24 @@ Three pieces, shared by every sparse method:
   (S - 1) min(k, piece) candidate pairs and (S - 1) N ceil(k / S) pooled ones. The bits
   are those of the whole leaf's exchange, and each piece's residual keeps exactly what
   it did not send.
+* FSDP (ZeRO-3: a leaf split along its leading dimension over the data axes themselves,
+  `sum_sparse(..., scatter=)`, `sum_scattered`): each device selects from its whole
+  gradient as without FSDP (the same k, pairs and residual; the residual is whole-sized
+  and per device, `zero_residuals`) and keeps only its shard of the sum, the same bits as
+  the slice of the whole sum. The pairs go in the same fixed-capacity all-gather, each
+  device decoding its own shard only: (N - 1) k pairs per device, not the (N - 1) / N k
+  of a reduce-scatter of the compressed vector. No fixed-capacity exact exchange sends
+  fewer: a device's k pairs may all fall in one shard, and the sum over one shard may
+  need every other device's k pairs (disjoint indices), so each device must be able to
+  receive (N - 1) k pairs, whatever its shard; as every message is sized in advance,
+  it receives that many on every step, which is the all-gather. (Per-destination buffers
+  of capacity about k / N reach the target only where a step's pairs spread evenly
+  enough, with a fallback on the steps where they do not: a data-dependent choice of
+  message, which gradcomm does not make.) Where the pairs' all-gather would cost more
+  than a dense reduce-scatter of the leaf, (N - 1) / N of its bytes (density above about
+  1 / (2N) in float32), the dense sent vectors go in an `all_to_all` of their rows,
+  summed in device order (the decode's bits); the leaves `sparse_bytes_exceed_dense`
+  sends dense go in a `lax.psum_scatter`, half the all-reduce.
 
 The decode sums, index by index, the values of the devices that sent it in device order,
 `((0 + v_0) + v_1) + ...`: one scatter-add per device, in one loop over the devices for all
@@ -75,20 +93,29 @@ __all__ = [
     "accumulate",
     "as_residual",
     "check_density",
+    "check_fsdp_axes",
     "check_selector",
+    "check_whole_residual",
     "densify",
     "exchange",
+    "fsdp_leaves",
     "kth_largest",
     "magnitude_bits",
     "num_kept",
+    "own_shard",
+    "reduce_scatter_dense",
+    "scatter_bytes_exceed_dense",
     "segment",
+    "shard_index",
     "sparse_bytes_exceed_dense",
+    "sum_scattered",
     "sum_sparse",
     "sum_sparse_over_shards",
     "sum_sparse_segments",
     "topk",
     "topk_over_shards",
     "unsent",
+    "zero_residuals",
 ]
 
 
@@ -251,6 +278,7 @@ def sum_sparse(
     *,
     divide_by: int | None = None,
     shards: Sequence[_shards.Axes] | None = None,
+    scatter: Sequence[bool] | None = None,
 ) -> list[jax.Array]:
     """The sums over devices of several leaves' sparse vectors, in as few collectives as fit.
 
@@ -259,7 +287,8 @@ def sum_sparse(
     others of one dtype share a single all-gather of their pairs, decoded in device order
     (the module docstring says how). Leaves sharded over mesh axes beyond `axis_name`
     take `topk_over_shards`'s exchange (see there), with the same bits as on the whole
-    leaf.
+    leaf. FSDP leaves (`scatter`) come back as this device's shard of the sum, the same
+    bits as its slice of the whole sum (`sum_scattered` says how they travel).
 
     Args:
       sent: per leaf, `(values, indices)` from `topk` on the flattened leaf, or, for a
@@ -270,10 +299,14 @@ def sum_sparse(
         leaves only the sent entries are divided, which gives the same bits.
       shards: per leaf, the mesh axes it is sharded over (`gradcomm._shards.shard_axes`;
         empty for a whole leaf). None: no leaf is sharded.
+      scatter: per leaf, whether it is split over `axis_name` along its leading dimension
+        (FSDP, `gradcomm._shards.scattered`): its pairs index the whole flat leaf, whose
+        size N divides, and this device (j of N) receives only elements `[j * size / N,
+        (j + 1) * size / N)` of the sum, its shard. None: no leaf is.
 
     Returns:
       Per leaf, the flat dense sum (or mean), in float32 or wider (a sharded leaf's piece
-      of it).
+      of it; an FSDP leaf's shard of it).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -283,6 +316,8 @@ def sum_sparse(
       >>> jax.vmap(f, axis_name="data")(x)[0][0]
       Array([0., 4., 0., 0.], dtype=float32)
     """
+    if scatter is not None and any(scatter):
+        return sum_scattered(sent, sizes, axis_name, scatter, divide_by=divide_by, shards=shards)
     if shards is not None and any(shards):
         return _sum_with_shards(sent, sizes, axis_name, shards, divide_by)
     n = _axes.axis_size(axis_name)
@@ -643,4 +678,419 @@ def sum_sparse_over_shards(
         index = jnp.where((index >= 0) & (index < size), index, size)
         out.append(_sum_in_device_order(values, index, size, divide_by))
         offset += count * size
+    return out
+
+
+# FSDP (ZeRO-3): a leaf split along its leading dimension over the data axes themselves.
+# Each device selects from its whole gradient as without FSDP and keeps only its shard of
+# the sum (the module docstring says what travels, and why).
+
+
+def scatter_bytes_exceed_dense(size: int, k: int, itemsize: int, n: int) -> bool:
+    """Whether an all-gather of k (value, index) pairs sends more than a dense reduce-scatter.
+
+    All-gather: (n - 1) k (itemsize + 4) bytes per device; reduce-scatter of the dense
+    leaf (or an all-to-all of its rows): (n - 1) / n * size * itemsize. An FSDP leaf
+    (`sum_scattered`) for which this holds is cheaper to send dense.
+
+    Args:
+      size: the whole leaf's number of elements.
+      k: the pairs each device sends.
+      itemsize: the values' bytes each.
+      n: the number of devices.
+
+    Returns:
+      True where the pairs cost at least the dense reduce-scatter (always for n = 1).
+
+    Example:
+      >>> from gradcomm import sparse
+      >>> sparse.scatter_bytes_exceed_dense(1000, 10, 4, 8)  # 560 bytes against 3500
+      False
+      >>> sparse.sparse_bytes_exceed_dense(1000, 100, 4, 8)  # 5600 against an all-reduce's 7000
+      False
+      >>> sparse.scatter_bytes_exceed_dense(1000, 100, 4, 8)  # 5600 against 3500
+      True
+    """
+    return (n - 1) * k * (itemsize + 4) >= (n - 1) / n * size * itemsize if n > 1 else True
+
+
+def fsdp_leaves(
+    specs: object, updates: object, names: Sequence[str], axis_name: _axes.AxisName, who: str
+) -> list[bool]:
+    """Per leaf of `updates`, whether `specs` splits it over `axis_name` (FSDP).
+
+    Args:
+      specs: None, or the params' `PartitionSpec`s, a pytree shaped like `updates`.
+      updates: the updates (or params).
+      names: the leaves' names, for error messages.
+      axis_name: the data axes.
+      who: the method, for error messages.
+
+    Returns:
+      One bool per leaf: its spec's first entry names every data axis
+      (`gradcomm._shards.scattered`).
+
+    Raises:
+      ValueError: where `specs` is not shaped like `updates`, holds something other than
+        `PartitionSpec`s, or splits a leaf over data axes elsewhere than FSDP does.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from gradcomm import sparse
+      >>> tree = {"b": jnp.zeros(4), "w": jnp.zeros((4, 2))}
+      >>> sparse.fsdp_leaves({"b": P(), "w": P("data")}, tree, ["b", "w"], "data", "lags")
+      [False, True]
+    """
+    if specs is None:
+        return [False] * len(names)
+    return [
+        _shards.scattered(spec, axis_name, who, name)
+        for spec, name in zip(_shards.leaf_specs(specs, updates, who), names, strict=True)
+    ]
+
+
+def zero_residuals(params: object, specs: object, axis_name: _axes.AxisName, who: str) -> object:
+    """Error feedback's first residuals: zeros like the params, FSDP leaves' whole-sized.
+
+    A residual holds what this device has not sent of its own whole gradient, so an FSDP
+    leaf's residual is the whole leaf's size although its param is a shard. Inside a map
+    over `axis_name` (`shard_map`, as `gradcomm.parallel.init_state` runs `init`), an FSDP
+    leaf of `params` is this device's shard, `(rows / N, ...)`, and its residual is
+    zeros of `(1, rows, ...)`; outside one (`jax.eval_shape(tx.init, ...)` on the whole
+    params, or `init` before a `vmap`), the leaf is whole and its residual `(1,
+    *leaf.shape)`. The leading axis of one is this device's slot on the device axis: the
+    param's spec, `P("data", ...)`, which `optax.tree_map_params` gives every state leaf
+    shaped like the params (`gradcomm.parallel`), then splits that axis over the devices,
+    so the residuals are laid out per device, `(N, rows, ...)`, one whole-sized residual
+    on each.
+
+    Args:
+      params: the params as this device holds them (a pytree).
+      specs: None, or the params' `PartitionSpec`s.
+      axis_name: the data axes.
+      who: the method, for error messages.
+
+    Returns:
+      The residuals, a pytree like `params`.
+
+    Raises:
+      ValueError: as `fsdp_leaves`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from gradcomm import sparse
+      >>> params = {"b": jnp.zeros(3), "w": jnp.zeros((4, 2))}  # outside a map: whole
+      >>> r = sparse.zero_residuals(params, {"b": P(), "w": P("data")}, "data", "lags")
+      >>> r["b"].shape, r["w"].shape
+      ((3,), (1, 4, 2))
+    """
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if specs is None or not paths_leaves:  # (optax.tree_map_params passes a leafless tree)
+        return jax.tree.map(jnp.zeros_like, params)
+    names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in paths_leaves]
+    split = fsdp_leaves(specs, params, names, axis_name, who)
+    try:
+        n = int(lax.axis_size(axis_name))
+    except NameError:  # outside a map: the params are whole
+        n = 1
+    out = []
+    for (_, leaf), s, name in zip(paths_leaves, split, names, strict=True):
+        shape = np.shape(leaf)
+        if s and not shape:
+            raise ValueError(f"{who}: leaf {name!r} is a scalar, which FSDP cannot split")
+        whole = (1, shape[0] * n, *shape[1:]) if s else shape
+        out.append(jnp.zeros_like(leaf, shape=whole))
+    return jax.tree.unflatten(treedef, out)
+
+
+def check_whole_residual(
+    residual: jax.Array, update: jax.Array, n: int, who: str, name: str
+) -> None:
+    """Raises where an FSDP leaf's residual is not its whole update's size.
+
+    Args:
+      residual: the leaf's residual (whole-sized, `zero_residuals`).
+      update: the leaf's whole update (the gradient of the gathered param).
+      n: the number of devices.
+      who: the method, for error messages.
+      name: the leaf's name, for error messages.
+
+    Raises:
+      ValueError: where the sizes differ, or `update`'s leading dimension is not a
+        multiple of n.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> sparse.check_whole_residual(jnp.zeros((1, 4, 2)), jnp.zeros((4, 2)), 2, "lags", "w")
+    """
+    if not np.ndim(update) or np.shape(update)[0] % n:
+        raise ValueError(
+            f"{who}: FSDP splits a leaf's leading dimension over the {n} devices of the "
+            f"data axes, but leaf {name!r} has shape {np.shape(update)}: give it a leading "
+            f"dimension divisible by {n}, or keep it whole (P())"
+        )
+    if jnp.size(residual) != jnp.size(update):
+        raise ValueError(
+            f"{who}: leaf {name!r} is split over the data axes (FSDP), so its residual "
+            f"holds this device's unsent part of its whole gradient, {jnp.size(update)} "
+            f"elements, but it has {jnp.size(residual)} (shape {np.shape(residual)}). "
+            f"Build the state with init inside the map, on this device's shard of the "
+            f"params (gradcomm.parallel.init_state does), on a mesh of as many "
+            f"data-parallel devices as the update's"
+        )
+
+
+def check_fsdp_axes(axes: _shards.Axes, who: str, name: str) -> None:
+    """Raises where an FSDP leaf is also split over mesh axes besides the data axes.
+
+    Args:
+      axes: the leaf's shard axes (`gradcomm._shards.shard_axes`).
+      who: the method, for error messages.
+      name: the leaf's name, for error messages.
+
+    Raises:
+      ValueError: where `axes` is not empty.
+
+    Example:
+      >>> from gradcomm import sparse
+      >>> sparse.check_fsdp_axes((), "lags", "w")  # whole over the other axes: fine
+    """
+    if axes:
+        raise ValueError(
+            f"{who}: leaf {name!r} is split over the data axes (FSDP) and over mesh axes "
+            f"{axes} besides them: {who} takes one or the other on a leaf, not both (keep "
+            f"it whole over {axes}, or give it no data axis in its spec)"
+        )
+
+
+def own_shard(flat: jax.Array, n: int, axis_name: _axes.AxisName) -> jax.Array:
+    """This device's shard of a flat whole leaf: elements `[j s, (j + 1) s)`, s = size / n.
+
+    That is the leading-dimension slice j of n that FSDP keeps on device j.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> f = lambda x: sparse.own_shard(x, 2, "data")
+      >>> jax.vmap(f, axis_name="data")(jnp.arange(8.0).reshape(2, 4))  # row d: device d's
+      Array([[0., 1.],
+             [6., 7.]], dtype=float32)
+    """
+    s = flat.shape[0] // n
+    return lax.dynamic_slice_in_dim(flat, lax.axis_index(axis_name) * s, s)
+
+
+def shard_index(indices: jax.Array, size: int, n: int, axis_name: _axes.AxisName) -> jax.Array:
+    """Indices into a flat whole leaf made relative to this device's shard (`own_shard`).
+
+    Those outside it become the shard's size, which `.at[...]` with `mode="drop"` skips.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> f = lambda i: sparse.shard_index(i, 8, 2, "data")
+      >>> jax.vmap(f, axis_name="data")(jnp.array([[1, 5], [1, 5]], jnp.int32))
+      Array([[1, 4],
+             [4, 1]], dtype=int32)
+    """
+    s = size // n
+    local = indices - lax.axis_index(axis_name).astype(indices.dtype) * s
+    return jnp.where((local >= 0) & (local < s), local, s)
+
+
+def reduce_scatter_dense(xs: Sequence[jax.Array], axis_name: _axes.AxisName) -> list[jax.Array]:
+    """This device's shard of the sum of flat dense whole leaves: a `lax.psum_scatter` per
+    dtype, the FSDP counterpart of a `lax.psum` of them.
+
+    Each leaf's size must be a multiple of N; device j receives elements `[j s, (j + 1)
+    s)` of each sum (s = size / N). XLA:CPU adds a reduce-scatter's terms as it adds an
+    all-reduce's, in device order, so each shard is the same bits as the slice of the
+    psum there; a ring all-reduce is a reduce-scatter and an all-gather, so on NCCL too.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> f = lambda x: sparse.reduce_scatter_dense([x], "data")[0]
+      >>> jax.vmap(f, axis_name="data")(jnp.array([[1.0, 2.0], [4.0, 8.0]]))
+      Array([[ 5.],
+             [10.]], dtype=float32)
+    """
+    n = _axes.axis_size(axis_name)
+    out: list[jax.Array | None] = [None] * len(xs)
+    for group in _flat.dtype_groups(list(xs)):
+        rows = _shards.to_rows([xs[i] for i in group], n, "sum_sparse")
+        mine = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
+        pieces = _shards.from_rows(mine, [xs[i].shape for i in group], n)
+        for i, piece in zip(group, pieces, strict=True):
+            out[i] = piece
+    return out
+
+
+def _all_to_all_in_device_order(
+    xs: Sequence[jax.Array], axis_name: _axes.AxisName
+) -> list[jax.Array]:
+    """This device's shard of the sum of flat dense whole leaves: an `all_to_all` of their
+    rows per dtype, then `((0 + x_0) + x_1) + ...` in device order: the bits of the sparse
+    decode (`_sum_in_device_order`) of the same sent entries, on every backend (adding a
+    zero changes no sum, which is never -0.0 there)."""
+    n = _axes.axis_size(axis_name)
+    out: list[jax.Array | None] = [None] * len(xs)
+    for group in _flat.dtype_groups(list(xs)):
+        rows = _shards.to_rows([xs[i] for i in group], n, "sum_sparse")
+        received = lax.all_to_all(rows, axis_name, 0, 0, tiled=True)  # row d: device d's
+        acc = jnp.zeros(received.shape[1], received.dtype)
+        for d in range(n):  # device order
+            acc = acc + received[d]
+        pieces = _shards.from_rows(acc, [xs[i].shape for i in group], n)
+        for i, piece in zip(group, pieces, strict=True):
+            out[i] = piece
+    return out
+
+
+def sum_scattered(
+    sent: Sequence[tuple[jax.Array, jax.Array] | ShardedTopK],
+    sizes: list[int],
+    axis_name: _axes.AxisName,
+    scatter: Sequence[bool],
+    *,
+    divide_by: int | None = None,
+    shards: Sequence[_shards.Axes] | None = None,
+) -> list[jax.Array]:
+    """`sum_sparse` where some leaves are FSDP-split: each device keeps its shard of those.
+
+    Each device's pairs of an FSDP leaf index its whole (flat) gradient, as without
+    FSDP; device j of N receives only elements `[j s, (j + 1) s)` of the sum (s = size /
+    N: the leaf's leading-dimension slice j), the same bits as the slice of `sum_sparse`'s
+    whole sum. The leaves travel as follows (per dtype, one collective each):
+
+    * where `sparse_bytes_exceed_dense` holds (the leaves `sum_sparse` sends dense), by a
+      `lax.psum_scatter` of the dense sent vectors (`reduce_scatter_dense`): (N - 1) / N
+      of the leaf's bytes, half the all-reduce's;
+    * else where `scatter_bytes_exceed_dense` holds (the pairs' all-gather would cost more
+      than the dense reduce-scatter), by an `all_to_all` of the dense rows summed in
+      device order: the same bytes as a reduce-scatter, and the sparse decode's bits;
+    * the others in the one fixed-capacity all-gather of pairs that `sum_sparse` sends
+      (with the group's whole leaves), each device decoding only its own shard of the
+      FSDP leaves: (N - 1) k pairs per device, as without FSDP, with 1/N of the decode's
+      dense buffer.
+
+    Why not fewer pairs (the module docstring): a fixed-capacity exchange cannot know
+    where a device's k pairs fall, and exactly summing every device's pairs into one
+    shard can need all (N - 1) k of the others', so each device must be able to receive
+    that many whatever its shard: the all-gather's bytes.
+
+    Args:
+      sent: per leaf, `(values, indices)` from `topk` on the whole flattened leaf (a
+        `ShardedTopK` for a leaf sharded over other mesh axes, which must not be FSDP).
+      sizes: per leaf, its number of elements (an FSDP leaf's whole size, a multiple of N).
+      axis_name: the data axes.
+      scatter: per leaf, whether it is FSDP-split.
+      divide_by: as for `sum_sparse`.
+      shards: as for `sum_sparse`.
+
+    Returns:
+      Per leaf, the flat sum (or mean) in float32 or wider: an FSDP leaf's shard of it
+      (`size / N` elements), the others as `sum_sparse` gives them.
+
+    Raises:
+      ValueError: for an FSDP leaf that is also sharded over other mesh axes, or whose
+        size N does not divide.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> x = jnp.array([[0.0, 3.0, 0.0, 1.0], [2.0, 5.0, 0.0, 0.0]])  # one row per device
+      >>> f = lambda x: sparse.sum_scattered([sparse.topk(x, 1)], [4], "data", [True])[0]
+      >>> jax.vmap(f, axis_name="data")(x)  # device j: elements 2j, 2j + 1 of [0, 8, 0, 0]
+      Array([[0., 8.],
+             [0., 0.]], dtype=float32)
+    """
+    n = _axes.axis_size(axis_name)
+    count = len(sent)
+    shards = [()] * count if shards is None else list(shards)
+    for i, (split, axes) in enumerate(zip(scatter, shards, strict=True)):
+        if split and axes:
+            raise ValueError(
+                f"sum_sparse: leaf {i} is split over the data axes (FSDP) and over mesh axes "
+                f"{axes}: an FSDP leaf must be whole over the other axes"
+            )
+        if split and sizes[i] % n:
+            raise ValueError(
+                f"sum_sparse: leaf {i} is split over the {n} data-parallel devices (FSDP), "
+                f"but its size {sizes[i]} is not a multiple of {n}"
+            )
+    out: list[jax.Array | None] = [None] * count
+    sharded = [i for i in range(count) if shards[i]]
+    if sharded:
+        sums = _sum_with_shards(
+            [sent[i] for i in sharded],
+            [sizes[i] for i in sharded],
+            axis_name,
+            [shards[i] for i in sharded],
+            divide_by,
+        )
+        for i, total in zip(sharded, sums, strict=True):
+            out[i] = total
+    whole_dense, split_dense, rows, pairs = [], [], [], []
+    for i in range(count):
+        if shards[i]:
+            continue
+        values = sent[i][0]
+        k, itemsize = values.shape[0], values.dtype.itemsize
+        if sparse_bytes_exceed_dense(sizes[i], k, itemsize, n):
+            (split_dense if scatter[i] else whole_dense).append(i)
+        elif scatter[i] and scatter_bytes_exceed_dense(sizes[i], k, itemsize, n):
+            rows.append(i)
+        else:
+            pairs.append(i)
+
+    def dense(i: int) -> jax.Array:
+        values, indices = sent[i][:2]
+        return densify(values.astype(_axes.compute_dtype(values.dtype)), indices, sizes[i])
+
+    def mean(total: jax.Array) -> jax.Array:
+        return total if divide_by is None else total / divide_by
+
+    if whole_dense:
+        totals = lax.psum([dense(i) for i in whole_dense], axis_name)
+        for i, total in zip(whole_dense, totals, strict=True):
+            out[i] = mean(total)
+    for ids, reduce in ((split_dense, reduce_scatter_dense), (rows, _all_to_all_in_device_order)):
+        if ids:
+            for i, total in zip(ids, reduce([dense(i) for i in ids], axis_name), strict=True):
+                out[i] = mean(total)
+    j = lax.axis_index(axis_name)
+    for group in _flat.dtype_groups([sent[i][0] for i in pairs]):
+        # One all-gather for the group, whole leaves' columns first; two decodes, so that
+        # a whole leaf's sum stays typed as the same on every device: the whole leaves'
+        # (as `sum_sparse` decodes them) and this device's shards of the FSDP ones (each
+        # pair outside its leaf's shard dropped), over their concatenation.
+        whole = [pairs[g] for g in group if not scatter[pairs[g]]]
+        split = [pairs[g] for g in group if scatter[pairs[g]]]
+        all_values, all_indices = _gather_pairs([sent[i][:2] for i in whole + split], axis_name)
+        cut = sum(sent[i][0].shape[0] for i in whole)
+        if whole:
+            columns = _flat.offsets([sent[i][0].shape[0] for i in whole])
+            starts = _flat.offsets([sizes[i] for i in whole])
+            shift = np.repeat(starts[:-1], np.diff(columns)).astype(np.int32)
+            total = _sum_in_device_order(
+                all_values[:, :cut], all_indices[:, :cut] + shift, starts[-1], divide_by
+            )
+            for i, (start, end) in zip(whole, itertools.pairwise(starts), strict=True):
+                out[i] = total[start:end]
+        if split:
+            widths = [sent[i][0].shape[0] for i in split]
+            parts = [sizes[i] // n for i in split]
+            starts = _flat.offsets(parts)
+            column_start = np.repeat(np.asarray(starts[:-1], np.int32), widths)
+            column_size = np.repeat(np.asarray(parts, np.int32), widths)
+            local = all_indices[:, cut:] - j.astype(jnp.int32) * column_size
+            inside = (local >= 0) & (local < column_size)
+            index = jnp.where(inside, local + column_start, starts[-1])
+            total = _sum_in_device_order(all_values[:, cut:], index, starts[-1], divide_by)
+            for i, (start, end) in zip(split, itertools.pairwise(starts), strict=True):
+                out[i] = total[start:end]
     return out

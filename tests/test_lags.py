@@ -5,12 +5,22 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import reference
 from helpers import per_device, run_steps, wire_against_psum
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_sparse import assert_same_bits, explicit_mesh, sharded_against_whole
+from test_sparse import (
+    FSDP_SPECS,
+    assert_same_bits,
+    explicit_mesh,
+    fsdp_against_whole,
+    run_fsdp,
+    sharded_against_whole,
+    spec_of,
+    train_fsdp_against_replicated,
+)
 
 import gradcomm
 
@@ -273,3 +283,137 @@ def test_delta_on_sharded_leaves_is_the_whole_leaves():
 
 def whole_delta_fn(a):
     return gradcomm.lags_delta(a, 0.2, "data")
+
+
+# FSDP (ZeRO-3): leaves split along their leading dimension over 'data' (test_sparse's
+# harness): each device's shard is the slice of the whole mean, bit for bit.
+FSDP_SHAPES = {"w": (16, 24), "v": (8, 3, 5), "d": (12, 10), "e": (0, 4), "b": (24,)}
+FSDP_SPLIT = {"w": True, "v": True, "d": True, "e": True, "b": False}
+# w: pairs in the all-gather; v: the rows' all-to-all; d: dense (a reduce-scatter).
+FSDP_DENSITY = {"w": 0.05, "v": 0.2, "d": 0.5, "e": 0.1, "b": 0.1}
+
+
+def fsdp_grads(dtype=np.float32, steps=3, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    grads = {k: rng.standard_normal((steps, n, *s)).astype(dtype) for k, s in FSDP_SHAPES.items()}
+    grads["w"][1, 2, 3, :2] = [np.inf, np.nan]  # non-finite values are sent first
+    grads["w"][:, :, 5] = np.round(grads["w"][:, :, 5])  # ties at the threshold
+    return grads
+
+
+@pytest.mark.parametrize(
+    ("selector", "dtype"), [("exact", np.float32), ("sampled", np.float32), ("exact", jnp.bfloat16)]
+)
+def test_fsdp_shards_are_the_slices_of_the_whole_mean(selector, dtype):
+    """Three steps (the residuals carry over): every device's shard of an FSDP leaf is the
+    slice of the mean without FSDP and its whole-sized residual the same, bit for bit,
+    whichever way the leaf travels; the whole leaf is unchanged."""
+
+    def make(specs):
+        return gradcomm.lags("data", density=FSDP_DENSITY, selector=selector, specs=specs)
+
+    got, _ = fsdp_against_whole(make, fsdp_grads(dtype), FSDP_SPLIT)
+    assert got["w"].shape == (3, 4, 4, 24) and got["e"].shape == (3, 4, 0, 4)
+    assert not np.isfinite(got["w"][1]).all()  # the non-finite values arrived
+
+
+def test_fsdp_leaves_must_divide_and_stay_whole_over_other_axes():
+    grads = {"w": np.ones((1, 4, 6, 3), np.float32)}
+    with pytest.raises(ValueError, match="divisible by 4"):
+        run_fsdp(gradcomm.lags("data", specs={"w": P("data")}), grads, {"w": False}, 4)
+    with pytest.raises(ValueError, match="unsent part of its whole gradient"):
+        grads = {"w": np.ones((1, 4, 8, 3), np.float32)}  # init given the whole param
+        run_fsdp(gradcomm.lags("data", specs={"w": P("data")}), grads, {"w": False}, 4)
+    # Split over 'data' (FSDP) and over 'model' too: not supported.
+    mesh = explicit_mesh((2, 2), ("data", "model"))
+    tx = gradcomm.lags("data", specs=P("data", "model"))
+
+    def body(g):  # g: this data device's whole rows, its half of the columns
+        return tx.update(g[0], gradcomm.LagsState(jnp.zeros((1, *g.shape[1:]))))[0][None]
+
+    spec = P("data", None, "model")
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    with pytest.raises(ValueError, match="one or the other"):
+        x = jax.ShapeDtypeStruct((2, 4, 6), jnp.float32, sharding=NamedSharding(mesh, spec))
+        jax.eval_shape(f, x)
+
+
+def test_fsdp_train_step_matches_the_replicated_one():
+    """`parallel.train_step` with the MLP's kernels split over 'data': lags before Adam, and
+    after a stateless SGD (the paper's placement), give the replicated run's params within
+    1e-6; Adam's moments are split like the params and the residual is per device and
+    whole-sized, the replicated run's residual."""
+    for make in (
+        lambda specs: optax.chain(
+            gradcomm.lags("data", density=0.1, specs=specs), optax.adam(1e-2)
+        ),
+        lambda specs: optax.chain(optax.sgd(0.1), gradcomm.lags("data", density=0.1, specs=specs)),
+    ):
+        got, state, _, want_state = train_fsdp_against_replicated(make)
+        lags_state = next(s for s in state if isinstance(s, gradcomm.LagsState))
+        want_residual = next(s for s in want_state if isinstance(s, gradcomm.LagsState)).residual
+        for k in FSDP_SPECS:
+            residual = lags_state.residual[k]
+            assert residual.shape == (4, *got[k].shape), k  # one whole residual per device
+            assert spec_of(residual)[0] == "data", k
+            assert residual.addressable_shards[0].data.shape == (1, *got[k].shape)
+            np.testing.assert_allclose(
+                np.asarray(residual).reshape(4, -1),
+                np.asarray(want_residual[k]).reshape(4, -1),
+                rtol=1e-6,
+                atol=1e-7,
+            )
+        adam = [s for s in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(s)]
+        for moments in adam:  # split like the params: 1/N per device
+            assert spec_of(moments.mu["w1"]) == P("data")
+            assert moments.mu["w1"].addressable_shards[0].data.shape == (2, 16)
+
+
+def test_fsdp_after_adam_is_rejected():
+    """Adam before lags would see whole gradients with moments shaped like the shards: its
+    state would have to be whole and per device, N times FSDP's, so it is not supported."""
+    with pytest.raises(ValueError, match="FSDP"):
+        train_fsdp_against_replicated(
+            lambda specs: optax.chain(
+                optax.adam(1e-2), gradcomm.lags("data", density=0.1, specs=specs)
+            ),
+            steps=1,
+        )
+
+
+def is_adam(x):
+    return isinstance(x, optax.ScaleByAdamState)
+
+
+def test_fsdp_wire_bytes():
+    """Per device over 4 devices, a (256, 64) leaf: at density 0.01 the FSDP exchange is the
+    all-gather of k pairs that it is without FSDP, (N - 1) k * 8 bytes (N times a
+    reduce-scatter's (N - 1) / N k pairs); at 0.2 (pairs would outweigh a dense
+    reduce-scatter), an all-to-all of the dense rows, (N - 1) / N of the leaf's bytes."""
+    from gradcomm import wire
+
+    n, shape = 4, (256, 64)
+    mesh = explicit_mesh((n,), ("data",))
+    spec = P("data")
+    x = jax.ShapeDtypeStruct((n * shape[0], shape[1]), jnp.float32)
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    def kinds(density, specs):
+        tx = gradcomm.lags("data", density=density, selector="exact", specs=specs)
+        split = specs is not None
+
+        def body(g):
+            params = g[: g.shape[0] // n] if split else g
+            return tx.update(g, tx.init(params))[0]
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+        return wire.measure(f, x).by_kind()
+
+    size = shape[0] * shape[1]
+    k = gradcomm.sparse.num_kept(size, 0.01)
+    pairs = (n - 1) * k * 8
+    assert kinds(0.01, None) == {"all-gather": pairs}
+    assert kinds(0.01, spec) == {"all-gather": pairs}
+    k = gradcomm.sparse.num_kept(size, 0.2)
+    assert kinds(0.2, None) == {"all-gather": (n - 1) * k * 8}
+    assert kinds(0.2, spec) == {"all-to-all": (n - 1) / n * size * 4}

@@ -410,3 +410,179 @@ def test_the_data_axis_carries_one_share_of_a_sharded_leafs_pairs():
     assert whole == {4: 3 / 4 * 4 * k * 8}  # an all-gather of k (value, index) pairs
     assert split[4] == whole[4] / 2  # k / 2 pairs per device over 'data'
     assert set(split) == {2, 4}  # and small statistics and the pooling over 'model'
+
+
+# FSDP (ZeRO-3): leaves split along their leading dimension over 'data'. Each device's
+# shard must be the slice of the result without FSDP, bit for bit.
+
+
+def run_fsdp(tx, grads, split, n):
+    """`tx.update` on whole per-device grads `(steps, n, *leaf)` over a 1-D 'data' mesh of
+    n, `init` given each device's shard of an FSDP leaf (`split`), the whole of the rest.
+
+    Returns the outputs `(steps, n, *out)` and each step's residuals flat, `(steps, n,
+    size)`: an FSDP leaf's shard, and its whole-sized residual (this device's).
+    """
+    steps = len(next(iter(grads.values())))
+    mesh = explicit_mesh((n,), ("data",))
+    spec = {k: P(None, "data") for k in grads}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[:, 0], g)
+        params = {k: (x[0, : x.shape[1] // n] if split[k] else x[0]) * 0 for k, x in g.items()}
+        state, outs, residuals = tx.init(params), [], []
+        for t in range(steps):
+            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
+            outs.append(out)
+            residuals.append(jax.tree.map(lambda r: r.reshape(-1), state.residual))
+        stack = lambda *xs: jnp.stack(xs)[:, None]  # noqa: E731
+        return jax.tree.map(stack, *outs), jax.tree.map(stack, *residuals)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()}
+    return jax.tree.map(np.asarray, f(placed))
+
+
+def fsdp_against_whole(make, grads, split, n=4):
+    """`make(specs)` with the leaves of `split` FSDP-split against `make(None)`: asserts
+    that every device's shard is its slice of the whole result and its residual the same,
+    bit for bit; returns the outputs with and without FSDP."""
+    specs = {k: P("data") if s else P() for k, s in split.items()}
+    got, got_residuals = run_fsdp(make(specs), grads, split, n)
+    want, want_residuals = run_fsdp(make(None), grads, dict.fromkeys(split, False), n)
+    for k, s in split.items():
+        rows = grads[k].shape[2] // n if s else None
+        for j in range(n):
+            expected = want[k][:, j, j * rows : (j + 1) * rows] if s else want[k][:, j]
+            assert got[k][:, j].shape == expected.shape, k
+            assert_same_bits({k: got[k][:, j]}, {k: expected})
+    assert_same_bits(got_residuals, want_residuals)
+    return got, want
+
+
+def scattered_fn(fsdp, x, y, z, w, h):
+    """Five leaves' top-k through `sum_sparse`, split as `fsdp` says: (x, y) sparse
+    pairs in float32 and bfloat16, z at a density sent by the rows' all-to-all under FSDP,
+    w at one sent dense, h whole."""
+    leaves = [x, y, z, w, h]
+    ks = [3, 2, 6, 20, 4]
+    sent = [sparse.topk(leaf, k) for leaf, k in zip(leaves, ks, strict=True)]
+    sizes = [leaf.size for leaf in leaves]
+    scatter = [*fsdp, False]
+    return sparse.sum_sparse(sent, sizes, "data", divide_by=4, scatter=scatter)
+
+
+@functools.cache
+def scattered(fsdp):
+    return functools.partial(scattered_fn, fsdp)
+
+
+def test_sum_scattered_gives_each_device_its_slice_of_the_sum():
+    """Every way an FSDP leaf travels (the pairs' all-gather, the rows' all-to-all, the
+    dense reduce-scatter) beside a whole leaf: each shard is the slice of the whole sum, in
+    float32 and bfloat16, with indices repeated across devices, zeros and -0.0."""
+    n = 4
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, 96)).astype(np.float32)
+    x[:, 5] = [2.0, -2.0, 7.0, -0.0]  # duplicates across devices, and a cancellation
+    y = rng.standard_normal((n, 64)).astype(jnp.bfloat16)
+    z = rng.standard_normal((n, 40)).astype(np.float32)  # k = 6: 0.15 of it
+    w = rng.standard_normal((n, 40)).astype(np.float32)
+    h = rng.standard_normal((n, 30)).astype(np.float32)
+    assert not sparse.sparse_bytes_exceed_dense(40, 6, 4, n)
+    assert sparse.scatter_bytes_exceed_dense(40, 6, 4, n)
+    assert not sparse.scatter_bytes_exceed_dense(96, 3, 4, n)
+    assert sparse.sparse_bytes_exceed_dense(40, 20, 4, n)
+    want = per_device(scattered((False,) * 4), n, x, y, z, w, h)
+    got = per_device(scattered((True,) * 4), n, x, y, z, w, h)
+    for leaf, size in enumerate([96, 64, 40, 40]):
+        s = size // n
+        for j in range(n):
+            np.testing.assert_array_equal(
+                got[leaf][j].view(np.uint8), want[leaf][j, j * s : (j + 1) * s].view(np.uint8)
+            )
+    np.testing.assert_array_equal(got[4].view(np.uint8), want[4].view(np.uint8))
+    assert got[0].dtype == np.float32 and got[1].dtype == np.float32
+
+
+def test_sum_scattered_rejects_sizes_the_devices_do_not_divide():
+    def f(x):
+        return sparse.sum_scattered([sparse.topk(x, 1)], [6], "data", [True])[0]
+
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        per_device(f, 4, np.zeros((4, 6), np.float32))
+
+
+def test_zero_residuals_are_whole_sized_for_fsdp_leaves():
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    specs = {"w": P("data"), "b": P()}
+    outside = sparse.zero_residuals(params, specs, "data", "lags")
+    assert outside["w"].shape == (1, 2, 3) and outside["b"].dtype == jnp.bfloat16
+
+    def inside(w):
+        r = sparse.zero_residuals({"w": w, "b": params["b"]}, specs, "data", "lags")
+        return r["w"]
+
+    got = per_device(inside, 4, np.zeros((4, 2, 3), np.float32))  # each device: a shard
+    assert got.shape == (4, 1, 8, 3)  # (1, 8, 3) on each device: the whole leaf's rows
+    tree = sparse.zero_residuals(params, None, "data", "lags")
+    assert jax.tree.map(jnp.shape, tree) == jax.tree.map(jnp.shape, params)
+
+
+# A small MLP for FSDP in parallel.train_step (test_sharded's): leading dims divisible by 4.
+FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
+
+
+def mlp_loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] + params["b2"] - batch["y"]) ** 2)
+
+
+def mlp_problem(seed=0, steps=5):
+    rng = np.random.default_rng(seed)
+    params = {
+        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
+        "b1": rng.standard_normal(16).astype(np.float32) / 10,
+        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
+        "b2": np.zeros(5, np.float32),
+    }
+    batches = [
+        {
+            "x": rng.standard_normal((16, 8)).astype(np.float32),
+            "y": rng.standard_normal((16, 5)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+    return params, batches
+
+
+def train_fsdp_against_replicated(make, n=4, steps=5):
+    """`make(specs)` in `parallel.train_step` on the MLP, FSDP-split (`FSDP_SPECS`) and
+    replicated: returns (fsdp params, fsdp state, replicated params, replicated state)."""
+    from gradcomm import parallel
+
+    mesh = explicit_mesh((n,), ("data",))
+    params, batches = mlp_problem(steps=steps)
+
+    def train(tx, placed):
+        state = parallel.init_state(tx, placed, mesh)
+        step = parallel.train_step(mlp_loss, tx, mesh)
+        for batch in batches:
+            placed, state, _ = step(placed, state, batch)
+        return jax.tree.map(np.asarray, placed), state
+
+    want, want_state = train(make(None), parallel.replicate(params, mesh))
+    got, got_state = train(make(FSDP_SPECS), parallel.shard_params(params, mesh, FSDP_SPECS))
+    for k in params:
+        scale = np.abs(want[k]).max()
+        assert np.abs(got[k] - want[k]).max() <= 1e-6 * scale, k
+        assert not np.allclose(got[k], params[k]), k  # it trained
+    return got, got_state, want, want_state
+
+
+def spec_of(x):
+    """An array's PartitionSpec without trailing Nones."""
+    entries = list(x.sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
