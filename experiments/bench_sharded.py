@@ -50,10 +50,13 @@ def _register() -> None:
         "adasum": (lambda s: gradcomm.adasum("data"), False),
         "terngrad": (lambda s: gradcomm.terngrad("data", specs=s), True),
         "powersgd r4": (lambda s: gradcomm.powersgd("data", rank=4, specs=s), False),
-        "lags 0.01": (lambda s: gradcomm.lags("data", density=0.01), True),
+        "lags 0.01": (lambda s: gradcomm.lags("data", density=0.01, specs=s), True),
         "slgs 0.01": (lambda s: gradcomm.slgs("data", density=0.01), False),
         "dropping 0.99": (
-            lambda s: gradcomm.gradient_dropping("data", drop_ratio=0.99, warmup_steps=0), True
+            lambda s: gradcomm.gradient_dropping(
+                "data", drop_ratio=0.99, warmup_steps=0, specs=s
+            ),
+            True,
         ),
     })  # fmt: skip
 
