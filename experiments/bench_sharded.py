@@ -86,7 +86,9 @@ def wire_of(tx: Any, mesh: Any, specs: dict, shapes: dict) -> Any:
 
     def body(g: dict) -> dict:
         g = {k: v[0] for k, v in g.items()}
-        out, _ = tx.update(g, tx.init(g), g)
+        # This device's params: an FSDP leaf's shard (its values do not matter here).
+        params = {k: v[: v.shape[0] // n] if k in fsdp else v for k, v in g.items()}
+        out, _ = tx.update(g, tx.init(params), params)
         for k in fsdp:
             if out[k].shape[0] * n != g[k].shape[0]:
                 raise ValueError("no reduce-scatter: it returns each device the whole result")
