@@ -131,6 +131,16 @@ def is_fsdp(spec: P, names: tuple[str, ...]) -> bool:
     return tuple(_axes.axis_names(spec[0])) == tuple(names)
 
 
+def _fsdp_per_device(name: str, spec: P) -> ValueError:
+    return ValueError(
+        f"param {name} is split over the data axes (FSDP, spec {spec}), but params are per "
+        f"device: methods that keep one copy of the params per device (sgp, dpsgd, local "
+        f"SGD, DiLoCo, gradient dropping's local gradients) let the copies differ, and "
+        f"FSDP's one split copy cannot hold them. Keep params whole over the data axes with "
+        f"these methods, or use FSDP with replicated params (params_per_device=False)"
+    )
+
+
 def model_specs(params: Any, mesh: Mesh, names: tuple[str, ...], params_per_device: bool) -> Any:
     """Per param leaf, how it is split over the mesh (beside per-device copies).
 
@@ -158,12 +168,14 @@ def model_specs(params: Any, mesh: Mesh, names: tuple[str, ...], params_per_devi
             if is_fsdp(spec, names)
             else (_spec_names(spec) & set(names))
         )
-        if data or (params_per_device and is_fsdp(spec, names)):
+        if params_per_device and is_fsdp(spec, names):
+            raise _fsdp_per_device(name, spec)
+        if data:
             raise ValueError(
                 f"param {name} is split over the data axes {sorted(_spec_names(spec) & set(names))}"
                 f" (spec {spec}): train_step splits a param over the data axes {names} only "
-                f"along its leading dimension, P({lead!r}, ...) (FSDP, with params not per "
-                f"device), and over other mesh axes anyhow (tensor parallelism)"
+                f"along its leading dimension, P({lead!r}, ...) (FSDP), and over other mesh "
+                f"axes anyhow (tensor parallelism)"
             )
         unknown = _spec_names(spec) - set(mesh.axis_names)
         if unknown:
@@ -180,7 +192,14 @@ def with_device_axis(specs: Any, lead: P | None) -> Any:
     return jax.tree.map(lambda s: P(*lead, *s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def shard_params(tree: Any, mesh: Mesh, specs: Any, *, per_device: bool = False) -> Any:
+def shard_params(
+    tree: Any,
+    mesh: Mesh,
+    specs: Any,
+    *,
+    per_device: bool = False,
+    axes: _axes.AxisName | None = None,
+) -> Any:
     """Places params split over the mesh as `specs` say: tensor parallelism, or FSDP.
 
     Args:
@@ -191,8 +210,10 @@ def shard_params(tree: Any, mesh: Mesh, specs: Any, *, per_device: bool = False)
         whose leading dimension is split over the data axes (FSDP), `P()` to keep a leaf
         whole.
       per_device: place one copy per data-parallel device, along a leading device axis
-        (as `per_device` does): the data axes are then the mesh axes that `specs` does not
-        name, in mesh order.
+        (as `per_device` does), for methods that keep params per device; `specs` may then
+        split them over model axes only.
+      axes: with `per_device`, the data-parallel axes (default: the mesh axes that `specs`
+        does not name, in mesh order).
 
     Returns:
       The params on the mesh, each leaf split as its spec says.
@@ -211,7 +232,11 @@ def shard_params(tree: Any, mesh: Mesh, specs: Any, *, per_device: bool = False)
     lead = None
     if per_device:
         named = set().union(*(_spec_names(s) for s in jax.tree.leaves(specs, is_leaf=is_spec)))
-        data = tuple(a for a in mesh.axis_names if a not in named)
+        others = tuple(a for a in mesh.axis_names if a not in named)
+        data = data_axes(mesh, axes) if axes else others
+        for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
+            if not data or _spec_names(spec) & set(data):
+                raise _fsdp_per_device(jax.tree_util.keystr(path) or "<root>", spec)
         lead = device_spec(mesh, data)
         n = num_shards(mesh, data)
         copies = lambda x: np.broadcast_to(np.asarray(x)[None], (n, *np.shape(x)))  # noqa: E731

@@ -179,6 +179,8 @@ TP_CASES = {
     "gradient_dropping": TpCase(
         lambda specs: gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=2)
     ),
+    "lags": TpCase(lambda specs: gradcomm.lags("data", density=0.1, specs=specs)),
+    "slgs": TpCase(lambda specs: gradcomm.slgs("data", density=0.1, specs=specs)),
     "gradient_dropping_local": TpCase(
         lambda specs: gradcomm.gradient_dropping(
             "data", drop_ratio=0.9, warmup_steps=0, local="compensated"
@@ -339,3 +341,13 @@ def test_fsdp_memory_and_wire():
     assert kinds["reduce-scatter"] == (n - 1) / n * kernel_bytes
     assert kinds["all-gather"] == (n - 1) / n * kernel_bytes  # the forward's gather
     assert whole_wire.by_kind()["all-reduce"] >= 2 * (n - 1) / n * kernel_bytes
+
+
+def test_fsdp_with_per_device_params_says_why_not():
+    from gradcomm import parallel
+
+    one, _ = _meshes()
+    params, _ = _mlp_problem()
+    with pytest.raises(ValueError, match="one copy of the params per device"):
+        parallel.shard_params(params, one, FSDP_SPECS, per_device=True, axes="data")
+
