@@ -16,6 +16,7 @@ import _netcluster as netcluster
 import _report
 import numpy as np
 from _methods import NETWORK
+from _netmesh import MESHES
 from _networker import PATTERNS, spec_of
 from _peerworker import BASELINE, BUCKET_CAP_MB, HOOKS, VARIANTS
 
@@ -51,29 +52,48 @@ def _timed(
 
 def records_of(
     results: dict[str, Any], nodes: int, rate: str, links: list[float], local: bool,
-    bytes_known: dict[tuple[int, str], float], allocator: str = "retain",
-    threads: int | None = None,
+    bytes_known: dict[tuple[str, int, str], dict[str, Any]], allocator: str = "retain",
+    threads: int | None = None, mesh: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """network.json records for one cell, with ratios to this cell's allreduce, run by run.
 
     Each record names its method as the registry describes it (`Spec.describe()`: method,
     options, sync, label), which is what `gradcomm.perfmodel` reads. `threads` is the
-    workers' compute threads (`--threads`; None: not pinned).
+    workers' compute threads (`--threads`; None: not pinned). `mesh` is a 2-D mesh's
+    description (`_netmesh.worker`: name, axes, data axes, param specs, batch); None for
+    the flat rows. `bytes_known` keeps each (mesh, nodes, label)'s bytes from the cell that
+    measured them.
     """
     base = results["allreduce"]["runs"]
+    name = mesh["name"] if mesh else "flat"
     out = []
     for label, res in results.items():
         if local and label == "allreduce":
             continue
-        key = (nodes, label)
+        key = (name, nodes, label)
         if res["bytes"] is not None:
-            bytes_known[key] = res["bytes"]
+            bytes_known[key] = {"bytes_per_step": res["bytes"]}
+            if mesh:
+                bytes_known[key].update(
+                    link_bytes_per_step=res["link_bytes"], bytes_by_axes=res["bytes_by_axes"]
+                )
+        known = bytes_known.get(key, {})
+        where: dict[str, Any] = {"mesh": name}
+        if mesh:
+            where.update(
+                mesh_axes=mesh["axes"], data_axes=mesh["data_axes"],
+                param_specs=mesh["param_specs"], batch=mesh["batch"],
+                baseline="allreduce (psum_scatter)" if name == "fsdp" else "allreduce",
+                link_bytes_per_step=known.get("link_bytes_per_step"),
+                bytes_by_axes=known.get("bytes_by_axes"),
+            )  # fmt: skip
         out.append(
             {
                 **spec_of(label).describe(),
                 **_timed(res, base, nodes, rate, links),
-                "devices_per_process": 2 if local else 1,
-                "bytes_per_step": bytes_known.get(key),
+                **where,
+                "devices_per_process": 2 if local or mesh else 1,
+                "bytes_per_step": known.get("bytes_per_step"),
                 "cycle": res["cycle"],
                 "timing": "cycle-mean" if res["cycle"] > 1 else "median",
                 "backend": "gloo",
@@ -139,8 +159,33 @@ def label_of(record: dict[str, Any]) -> str:
     return record["label"]
 
 
+MESH_CAPTION = (
+    "Meshes tp and fsdp (`--mesh`, `_netmesh.py`): 2 CPU devices per host, the data axes "
+    "across the hosts (over the shaped links) and a model axis of 2 inside each host "
+    "(in-process collectives, no network); the same MLP, tensor-parallel: the first "
+    "layer split by columns, the second by rows with a psum over 'model', the classifier "
+    "whole. fsdp also splits each kernel's leading dimension over the data axes (gathered "
+    "for the forward; each method reduce-scatters the gradient). Each ratio is against "
+    "allreduce on the same mesh in the same run (on fsdp, its plain psum_scatter)."
+)
+
+
+def mesh_of(record: dict[str, Any]) -> str:
+    """The mesh a record ran on: "flat" for records from before `--mesh`, and peer rows."""
+    return record.get("mesh") or "flat"
+
+
+def panels(records: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The (mesh, node count) pairs of the records: the flat mesh first, in `--mesh` order."""
+    order = {m: i for i, m in enumerate(MESHES)}
+    found = {(mesh_of(r), r["nodes"]) for r in records}
+    return sorted(found, key=lambda p: (order.get(p[0], len(order)), p[0], p[1]))
+
+
 def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
-    """Markdown: per node count, a row per method and a column per rate (ratio, seconds).
+    """Markdown: per mesh and node count, a row per method and a column per rate (ratio,
+    seconds). The flat rows' bytes are all a device sends; a 2-D mesh's are split into
+    those over the data axes (across the links) and those over the model axis only.
 
     Peer rows follow the JAX rows, named "PyTorch DDP: ..." and relative to PyTorch's own
     allreduce; a line under the caption says so, and gives the thread setting.
@@ -162,41 +207,66 @@ def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
             f"Compute threads per process: {shown} (XLA:CPU's intra-op pool; "
             "torch.set_num_threads and set_num_interop_threads)."
         )
+    if any(mesh_of(r) != "flat" for r in records):
+        lines.append(MESH_CAPTION)
     lines.append("")
-    for nodes in sorted({r["nodes"] for r in records}):
-        cells = {(label_of(r), r["rate"]): r for r in records if r["nodes"] == nodes}
+    for mesh, nodes in panels(records):
+        cells = {
+            (label_of(r), r["rate"]): r
+            for r in records
+            if r["nodes"] == nodes and mesh_of(r) == mesh
+        }
         link = {
             rate: next((r["link_mbit_measured"] for (_, q), r in cells.items() if q == rate), None)
             for rate in rates
         }
         head = [f"{rate} ({link[rate]:.0f} Mbit/s)" if link[rate] else rate for rate in rates]
-        lines += [f"**N = {nodes}**", "", "| method | " + " | ".join(head) + " | bytes/step |"]
-        lines.append("| --- |" + " ---: |" * (len(rates) + 1))
+        if mesh == "flat":
+            lines += [f"**N = {nodes}**", "", "| method | " + " | ".join(head) + " | bytes/step |"]
+            lines.append("| --- |" + " ---: |" * (len(rates) + 1))
+        else:
+            some = next(iter(cells.values()))
+            axes = " x ".join(f"{a} {n}" for a, n in some["mesh_axes"].items())
+            specs = ", ".join(f"{k} {v}" for k, v in some["param_specs"].items())
+            lines += [f"**N = {nodes}, mesh {mesh}** ({axes}; {specs})", ""]
+            lines.append("| method | " + " | ".join(head) + " | bytes/step over the link "
+                         "| bytes/step inside a host |")  # fmt: skip
+            lines.append("| --- |" + " ---: |" * (len(rates) + 2))
         for label in [*NETWORK, *VARIANTS]:
             row = [cells.get((label, rate)) for rate in rates]
             if not any(row):
                 continue
-            sent = next((c["bytes_per_step"] for c in row if c and c["bytes_per_step"]), None)
             text = [f"{c['ratio_vs_allreduce']:.2f} ({c['step_s']:.3f})" if c else "—" for c in row]
-            shown = f"{sent:,.0f}" if sent else "—"
-            lines.append(
-                f"| {PEER_NAMES.get(label, label)} | " + " | ".join(text) + f" | {shown} |"
-            )
+            sent = next((c["bytes_per_step"] for c in row if c and c["bytes_per_step"]), None)
+            if mesh == "flat":
+                shown = [sent]
+            else:
+                over = next((c["link_bytes_per_step"] for c in row if c and sent), None)
+                shown = [over, None if over is None else sent - over]
+            shown_text = " | ".join("—" if b is None else f"{b:,.0f}" for b in shown)
+            name = PEER_NAMES.get(label, label)
+            if mesh == "fsdp" and label == "allreduce":
+                name = "allreduce (psum_scatter)"
+            lines.append(f"| {name} | " + " | ".join(text) + f" | {shown_text} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(records: Sequence[dict[str, Any]], path: Any) -> None:
-    """Step time against link bandwidth, one line per method, a panel per node count;
-    peer rows in grey, dotted."""
-    node_counts = sorted({r["nodes"] for r in records})
+    """Step time against link bandwidth, one line per method, a panel per mesh and node
+    count; peer rows in grey, dotted."""
+    shown = panels(records)
     params = max(r["params"] for r in records)
 
     def draw(fig: Any) -> None:
-        axes = np.atleast_1d(fig.subplots(1, len(node_counts)))
-        for ax, nodes in zip(axes, node_counts, strict=True):
+        axes = np.atleast_1d(fig.subplots(1, len(shown)))
+        for ax, (mesh, nodes) in zip(axes, shown, strict=True):
             for label in [*NETWORK, *VARIANTS]:
-                rows = [r for r in records if r["nodes"] == nodes and label_of(r) == label]
+                rows = [
+                    r
+                    for r in records
+                    if r["nodes"] == nodes and mesh_of(r) == mesh and label_of(r) == label
+                ]
                 rows = sorted(
                     (r for r in rows if r["link_mbit_measured"]),
                     key=lambda r: r["link_mbit_measured"],
@@ -209,16 +279,18 @@ def plot(records: Sequence[dict[str, Any]], path: Any) -> None:
             ax.set(
                 xscale="log", yscale="log", xlabel="measured link bandwidth (Mbit/s, log scale)",
                 ylabel="step time (s, log scale)",
-                title=f"{nodes} hosts, {params / 1e6:.1f}M-parameter MLP, Adam",
+                title=f"{nodes} hosts, {params / 1e6:.1f}M-parameter MLP, Adam"
+                + ("" if mesh == "flat" else f", mesh {mesh}"),
             )  # fmt: skip
             ax.grid(alpha=0.3, which="both")
-        axes[-1].legend(fontsize=7, ncol=2)
+        fullest = max(axes, key=lambda ax: len(ax.get_lines()))
+        fullest.legend(fontsize=7, ncol=2)
 
     _report.save_figure(
         path,
         draw,
         title="Step time on an emulated network (tc tbf, gloo); rightmost point: unshaped",
-        size=(6 * len(node_counts), 4.8),
+        size=(6 * len(shown), 4.8),
     )
 
 

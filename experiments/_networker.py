@@ -153,20 +153,36 @@ def _join(config: dict[str, Any], devices: int) -> list[Any]:
         return _runtime.setup(args)
 
 
+def start(config: dict[str, Any], devices: int) -> tuple[list[Any], Any]:
+    """Joins the run with `devices` CPU devices (`_join`), turns on the compilation cache
+    (`config["cache"]`: later cells of a node count reuse the compiled steps); all
+    processes' devices, and `log(text)`, which process 0 prints to stderr."""
+    devices_ = _join(config, devices)
+    import jax
+
+    if config.get("cache"):
+        jax.config.update("jax_compilation_cache_dir", config["cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    main = jax.process_index() == 0
+    cell = f"[{config['rate']} N={config['nodes']}{config.get('tag', '')}]"
+
+    def log(text: str) -> None:
+        if main:
+            print(f"{cell} {text}", file=sys.stderr, flush=True)
+
+    return devices_, log
+
+
 def worker(config: dict[str, Any]) -> None:
     """One host's process: trains with every method, prints records (process 0) as JSON."""
     import _provenance
 
     local = config["local"]
-    devices = _join(config, 2 if local else 1)
+    devices, log = start(config, 2 if local else 1)
     import jax
     import numpy as np
     import optax
     from _loop import bytes_per_step
-
-    if config.get("cache"):  # later cells of the same node count reuse the compiled steps
-        jax.config.update("jax_compilation_cache_dir", config["cache"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
     from gradcomm import parallel
 
@@ -182,11 +198,6 @@ def worker(config: dict[str, Any]) -> None:
     batch = parallel.shard_batch(data, mesh)
     labels = config["labels"]
     main = jax.process_index() == 0
-
-    def log(text: str) -> None:
-        if main:
-            print(f"[{config['rate']} N={nodes}] {text}", file=sys.stderr, flush=True)
-
     runs: dict[str, Any] = {}
     for label in labels:
         spec = spec_of(label)
@@ -198,19 +209,53 @@ def worker(config: dict[str, Any]) -> None:
         sent = None
         if config["measure_bytes"]:
             sent = bytes_per_step(method, loss_fn, mesh, params, data)
-        every = cycle(spec, nodes)
-        warm = max(3, every + 1)
-        t0 = time.perf_counter()
-        for _ in range(warm):
-            params, state, metrics = step(params, state, batch)
-            jax.block_until_ready(metrics)
-        log(f"{label}: compiled and warmed up ({warm} steps) in {time.perf_counter() - t0:.1f}s")
-        runs[label] = {"step": step, "params": params, "state": state, "cycle": every,
-                       "bytes": sent, "times": []}  # fmt: skip
+        runs[label] = warm_up(label, step, params, state, batch, cycle(spec, nodes), log)
+        runs[label]["bytes"] = sent
+
+    time_runs(runs, labels, batch, config, log)
+    if main:
+        out = {
+            label: {
+                "runs": run["times"],
+                "bytes": run["bytes"],
+                "cycle": run["cycle"],
+                "params": num_params,
+            }
+            for label, run in runs.items()
+        }
+        info = _provenance.devices_info(devices)
+        print("RESULT " + json.dumps({"results": out, "devices": info}), flush=True)
+
+
+def warm_up(
+    label: str, step: Any, params: Any, state: Any, batch: Any, every: int, log: Any
+) -> dict[str, Any]:
+    """Compiles and warms up a method's step (at least 3 steps, and a whole cycle of
+    `every`); its run record for `time_runs`: step, params, state, cycle, no times yet."""
+    import jax
+
+    warm = max(3, every + 1)
+    t0 = time.perf_counter()
+    for _ in range(warm):
+        params, state, metrics = step(params, state, batch)
+        jax.block_until_ready(metrics)
+    log(f"{label}: compiled and warmed up ({warm} steps) in {time.perf_counter() - t0:.1f}s")
+    return {"step": step, "params": params, "state": state, "cycle": every, "times": []}
+
+
+def time_runs(
+    runs: dict[str, dict[str, Any]], labels: Sequence[str], batch: Any, config: dict[str, Any],
+    log: Any,
+) -> None:  # fmt: skip
+    """`config["runs"]` interleaved runs of `config["steps"]` timed steps per method (whole
+    cycles), the methods in a rotated order each run; appends each run's median step (the
+    mean over whole cycles where a cycle is longer than a step) to `runs[label]["times"]`."""
+    import jax
+    import numpy as np
 
     steps = config["steps"]
     for r in range(config["runs"]):
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        order = list(labels[r % len(labels) :]) + list(labels[: r % len(labels)])
         for label in order:
             run = runs[label]
             count = math.ceil(steps / run["cycle"]) * run["cycle"]
@@ -225,18 +270,6 @@ def worker(config: dict[str, Any]) -> None:
             stat = float(np.mean(times)) if run["cycle"] > 1 else float(np.median(times))
             run["times"].append(stat)
             log(f"run {r + 1}: {label} {stat:.4f} s/step")
-    if main:
-        out = {
-            label: {
-                "runs": run["times"],
-                "bytes": run["bytes"],
-                "cycle": run["cycle"],
-                "params": num_params,
-            }
-            for label, run in runs.items()
-        }
-        info = _provenance.devices_info(devices)
-        print("RESULT " + json.dumps({"results": out, "devices": info}), flush=True)
 
 
 PATTERNS = (

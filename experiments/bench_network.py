@@ -4,6 +4,7 @@
     sudo python experiments/bench_network.py                   # the default grid, ~30 min
     python experiments/bench_network.py --nodes 2,4 --rates 100mbit,unshaped --steps 10
     python experiments/bench_network.py --nodes 2 --methods allreduce --peer --threads 1
+    python experiments/bench_network.py --mesh tp,fsdp --nodes 2 --rates 100mbit,unshaped
 
 For each node count N and link rate, the script builds a cluster of N hosts (network
 namespaces joined by a bridge, each link shaped with tc's token bucket filter; see
@@ -25,6 +26,13 @@ step is counted. Each cell's ratio is taken against allreduce's time in the same
 Unshaped cells, bound by compute and noisy, take `--runs` runs; shaped cells, bound by the
 link and repeatable, `--shaped-runs`. Bytes per step are the steady state's, read from
 the compiled program (`gradcomm.wire`).
+
+Meshes (`--mesh`, default flat): `tp` runs two CPU devices per host, the data axis across
+the hosts and a model axis of 2 inside each, and trains the same MLP tensor-parallel (the
+first layer split by columns, the second by rows with a psum over the model axis); `fsdp`
+also splits every kernel over the data axis (ZeRO-3), so each method must reduce-scatter
+(allreduce's is a plain psum_scatter; the methods that can are `_netmesh.FSDP`'s). Each
+ratio is against allreduce on the same mesh in the same run; see `_netmesh.py`.
 
 Allocator: by default (`--allocator retain`) the workers run with glibc's malloc told to
 keep and reuse freed memory (`RETAIN_TUNABLES`). XLA:CPU allocates each step's
@@ -83,8 +91,8 @@ sys.path.insert(0, str(HERE))
 import _cli  # noqa: E402
 import _methods  # noqa: E402
 import _netcluster as netcluster  # noqa: E402
+import _netmesh  # noqa: E402
 import _netreport  # noqa: E402
-import _networker  # noqa: E402
 import _provenance  # noqa: E402
 
 SEEDS = [0]  # the MLP's initial params and its fixed batch (`_networker.mlp_task`)
@@ -153,12 +161,14 @@ def _results(procs: list[subprocess.Popen], timeout: float, what: str) -> dict[s
 
 def run_cell(
     nodes: int, rate: str, args: argparse.Namespace, *, peer: bool = False, **extra: Any
-) -> tuple[dict[str, Any], list[float], dict[str, Any], dict[str, Any] | None]:
-    """One cluster, one worker process per host: the worker's result, the links, the
-    devices the workers ran on (`_provenance.devices_info`), and with `peer` the PyTorch
-    peer workers' payload (`_peerworker.py`, run on the same cluster afterwards; else None).
+) -> tuple[dict[str, Any], list[float], dict[str, Any] | None]:
+    """One cluster, one worker process per host: process 0's payload (`"results"`, the
+    `"devices"` the workers ran on as `_provenance.devices_info` gives them, and on a 2-D
+    mesh the `"mesh"`), the links, and with `peer` the PyTorch peer workers' payload
+    (`_peerworker.py`, run on the same cluster afterwards; else None).
 
-    `extra` goes into the workers' config (`mode="patterns"` times raw collectives).
+    `extra` goes into the workers' config (`mode="patterns"` times raw collectives,
+    `mesh="tp"` or `"fsdp"` runs `_netmesh.worker`).
     """
     shaped = rate != netcluster.UNSHAPED
     runs = args.shaped_runs if shaped else args.runs
@@ -209,7 +219,7 @@ def run_cell(
                     )
                 )  # fmt: skip
             peers = _results(procs, args.timeout, f"PyTorch peers at N={nodes}, {rate}")
-        return payload["results"], links, payload["devices"], peers
+        return payload, links, peers
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -223,6 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(_methods.NETWORK),
         help="comma-separated rows (allreduce always runs as the baseline)",
     )
+    parser.add_argument("--mesh", default="flat", help=_netmesh.HELP)
     parser.add_argument("--params", type=float, default=4e6, help="MLP parameters (about)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method per run")
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs, unshaped cells")
@@ -268,6 +279,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if min(args.node_list) < 2:
         parser.error("--nodes: every node count must be at least 2")
     try:
+        args.mesh_list = _netmesh.parse(args.mesh, args.node_list, args.patterns, args.peer)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
         labels = _methods.parse(args.methods)
     except ValueError as e:
         parser.error(str(e))
@@ -304,9 +319,10 @@ def measure_patterns(
     records = []
     for nodes in args.node_list:
         for rate in args.rate_list:
-            results, links, devices, _ = run_cell(nodes, rate, args, mode="patterns")
+            payload, links, _ = run_cell(nodes, rate, args, mode="patterns")
             link = sum(links) / len(links) if links else None
-            for name, seconds in results.items():
+            devices = payload["devices"]
+            for name, seconds in payload["results"].items():
                 records.append(
                     {"pattern": name, "nodes": nodes, "rate": rate, "seconds": seconds,
                      "mib": args.pattern_mib, "link_mbit_measured": link, "provenance": devices}
@@ -323,8 +339,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if args.worker:
         config = json.loads(args.worker)
-        patterns = config.get("mode") == "patterns"
-        (_networker.pattern_worker if patterns else _networker.worker)(config)
+        _netmesh.run_worker(config)
         return []
     problem = netcluster.root_problem()
     if problem:
@@ -333,27 +348,25 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     if args.patterns:
         return measure_patterns(args, out, stamp)
-    flat = [m for m in args.labels if not _methods.METHODS[m].local]
-    local = [m for m in args.labels if _methods.METHODS[m].local]
+    plan = _netmesh.plan(args.mesh_list, args.labels)
     records: list[dict[str, Any]] = []
-    bytes_known: dict[tuple[int, str], float] = {}
+    bytes_known: dict[tuple[str, int, str], dict[str, Any]] = {}
     start = time.perf_counter()
     cache = tempfile.mkdtemp(prefix="bench_network_cache_")
     for nodes in args.node_list:
         for rate in args.rate_list:
-            for group, is_local in ((flat, False), (["allreduce", *local], True)):
-                if is_local and len(group) == 1:
-                    continue
-                todo = [m for m in group if (nodes, m) not in bytes_known]
-                results, links, devices, peers = run_cell(
-                    nodes, rate, args, labels=group, local=is_local,
-                    measure_bytes=bool(todo), cache=cache, peer=args.peer and not is_local,
+            for mesh, group, is_local in plan:
+                todo = [m for m in group if (mesh, nodes, m) not in bytes_known]
+                extra = {} if mesh == "flat" else {"mesh": mesh, "tag": f" {mesh}"}
+                payload, links, peers = run_cell(
+                    nodes, rate, args, labels=group, local=is_local, measure_bytes=bool(todo),
+                    cache=cache, peer=args.peer and mesh == "flat" and not is_local, **extra,
                 )  # fmt: skip
                 cell = _netreport.records_of(
-                    results, nodes, rate, links, is_local, bytes_known, args.allocator,
-                    args.threads,
+                    payload["results"], nodes, rate, links, is_local, bytes_known,
+                    args.allocator, args.threads, mesh=payload.get("mesh"),
                 )  # fmt: skip
-                records += [{**r, "provenance": devices} for r in cell]
+                records += [{**r, "provenance": payload["devices"]} for r in cell]
                 if peers is not None:
                     cell = _netreport.peer_records_of(
                         peers, nodes, rate, links, args.allocator, args.threads
@@ -362,8 +375,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                     records += [{**r, "provenance": device} for r in cell]
                 (out / "network.json").write_text(json.dumps(stamped(records, stamp), indent=1))
     shutil.rmtree(cache, ignore_errors=True)
-    for r in records:  # bytes were measured in the first cell of each node count
-        r["bytes_per_step"] = bytes_known.get((r["nodes"], r["label"]), r["bytes_per_step"])
+    for r in records:  # bytes were measured in the first cell of each mesh and node count
+        if r["framework"] == "jax":
+            r.update(bytes_known.get((r["mesh"], r["nodes"], r["label"]), {}))
     (out / "network.json").write_text(json.dumps(stamped(records, stamp), indent=1))
     text = _netreport.table(records, args.rate_list)
     elapsed = time.perf_counter() - start

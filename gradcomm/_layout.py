@@ -19,12 +19,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _axes, _checks
+from gradcomm import _axes, _checks, _collectives
 from gradcomm._placement import (
     check_copies,
     data_axes,
     device_spec,
-    host_copy,
     is_fsdp,
     model_specs,
     num_shards,
@@ -336,16 +335,24 @@ def check_sync(sync: ParamsSync | None, params_per_device: bool) -> None:
 
 
 def sync_state_of(
-    sync: ParamsSync, params: Any, mesh: Mesh, params_per_device: bool, models: Any
+    sync: ParamsSync, params: Any, mesh: Mesh, names: tuple[str, ...], models: Any
 ) -> Any:
-    """The sync's state from one device's params: the same on every data-parallel device,
-    and split over model axes like the params its leaves mirror (`models`)."""
-    local = host_copy(params, per_device=params_per_device)
-    state = jax.jit(sync.init)(local)
-    specs = state_model_specs(sync, local_shapes(local, False), models)
-    leaves, treedef = jax.tree.flatten(state)
-    placed = [place(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)]
-    return jax.tree.unflatten(treedef, placed)
+    """The sync's state from the first device's per-device params, inside the map: the
+    same on every data-parallel device, and split over model axes like the params its
+    leaves mirror (`models`), in one process or several."""
+    shapes = local_shapes(params, True)
+    specs = state_model_specs(sync, shapes, models)
+    out_specs = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(sync.init, shapes)), specs)
+    param_spec = with_device_axis(models, device_spec(mesh, names))
+
+    def body(params: Any) -> Any:
+        first = jax.tree.map(
+            lambda x: _collectives.all_gather_invariant(x[0], names)[0], params
+        )  # device 0's copy, typed the same on every data-parallel device
+        return sync.init(first)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_spec,), out_specs=out_specs)
+    return jax.jit(mapped)(params)
 
 
 def init_state(
@@ -397,7 +404,7 @@ def init_state(
     state = jax.jit(mapped)(params)
     if sync is None:
         return state
-    return TrainState(state, sync_state_of(sync, params, mesh, params_per_device, models))
+    return TrainState(state, sync_state_of(sync, params, mesh, names, models))
 
 
 def check_update_shapes(updates: Any, params: Any, fsdp: Sequence[bool]) -> None:

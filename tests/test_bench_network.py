@@ -10,6 +10,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import _methods  # noqa: E402
 import _netcluster as netcluster  # noqa: E402
+import _netmesh  # noqa: E402
 import _netreport  # noqa: E402
 import _networker  # noqa: E402
 import _provenance  # noqa: E402
@@ -71,6 +73,10 @@ def test_refuses_without_root_as_a_process():
         (["--threads", "0"], "--threads must be between 1 and the"),
         (["--threads", str(len(os.sched_getaffinity(0)) + 1)], "--threads must be between"),
         (["--patterns", "--peer"], "--peer times training steps"),
+        (["--mesh", "tp,nope"], "--mesh: unknown mesh(es) nope; choose from flat, tp, fsdp"),
+        (["--mesh", "fsdp", "--nodes", "2,3"], "node counts [3] do not divide them"),
+        (["--mesh", "tp", "--patterns"], "--patterns times raw collectives on the flat mesh"),
+        (["--mesh", "tp", "--peer"], "--peer runs beside the flat rows"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
@@ -86,6 +92,7 @@ def test_help_shows_defaults(capsys):
     assert exit_info.value.code == 0
     shown = capsys.readouterr().out
     assert "(default: 2,4)" in shown and "unshaped,1gbit,100mbit" in shown
+    assert "--mesh MESH" in shown and "(default: flat)" in " ".join(shown.split())
 
 
 def test_plot_draws_every_method_in_its_style(tmp_path):
@@ -225,3 +232,136 @@ def test_tiny_run_writes_records(tmp_path):
         assert set(_provenance.KEYS) <= set(prov) and prov["seeds"] == [0]
         assert (prov["platform"], prov["device_count"], prov["process_count"]) == ("cpu", 2, 2)
         assert prov["command"][0].endswith("bench_network.py") and prov["wall_seconds"] > 0
+
+
+# ------------------------------------------------------------------------------------------
+# 2-D meshes (`--mesh tp`, `--mesh fsdp`, `_netmesh.py`): data across hosts, model inside.
+
+
+def test_mesh_plan_keeps_the_rows_each_mesh_can_run(capsys):
+    args = bench_network.parse_args(
+        ["--mesh", "tp,flat,fsdp,tp", "--methods", "powersgd,adasum-hierarchical,diloco"]
+    )
+    assert args.mesh_list == ["tp", "flat", "fsdp"]
+    plan = _netmesh.plan(args.mesh_list, args.labels)
+    assert plan == [
+        ("tp", ["allreduce", "powersgd", "diloco"], False),
+        ("flat", ["allreduce", "powersgd", "diloco"], False),
+        ("flat", ["allreduce", "adasum-hierarchical"], True),
+        ("fsdp", ["allreduce"], False),  # the FSDP rows are _netmesh.FSDP's
+    ]
+    out = capsys.readouterr().out
+    assert "--mesh tp: no rows for adasum-hierarchical" in out
+    assert "--mesh fsdp: no rows for powersgd, adasum-hierarchical, diloco" in out
+
+
+def test_mesh_model_is_the_flat_mlp_split_over_the_model_axis():
+    from jax.sharding import PartitionSpec as P
+
+    widths = _netmesh.widths(4e6)
+    assert widths[1] % _netmesh.HIDDEN_MULTIPLE == 0
+    count = sum(a * b + b for a, b in itertools.pairwise(widths))
+    assert abs(count - 4e6) / 4e6 < 0.03
+    tp = _netmesh.param_specs(("data0",), fsdp=False)
+    assert tp["w0"] == P(None, "model") and tp["w1"] == P(None, "model") and tp["w2"] == P()
+    fsdp = _netmesh.param_specs(("data0", "data1"), fsdp=True)
+    assert fsdp["w0"] == P(("data0", "data1"), "model") and fsdp["w2"] == P(("data0", "data1"))
+    # The same arrays as the flat rows' MLP, the middle kernel stored transposed.
+    params, _, data = _netmesh.task((16, 8, 8, 3), 4)
+    flat, flat_data = _networker.mlp_init((16, 8, 8, 3), 4)
+    assert (params["w1"] == flat["w1"].T).all() and (data["x"] == flat_data["x"]).all()
+
+
+MESH_RESULT = {
+    "results": {
+        "allreduce": {"runs": [2.0, 4.0], "cycle": 1, "params": 100, "bytes": 50.0,
+                      "link_bytes": 40.0, "bytes_by_axes": {"data0": 40.0, "model": 10.0}},
+        "powersgd": {"runs": [1.0, 1.0], "cycle": 1, "params": 100, "bytes": 15.0,
+                     "link_bytes": 5.0, "bytes_by_axes": {"data0": 5.0, "model": 10.0}},
+    },
+    "mesh": {"name": "tp", "axes": {"data0": 2, "model": 2}, "data_axes": ["data0"],
+             "param_specs": {"w0": "P(None, 'model')"}, "batch": 64},
+}  # fmt: skip
+
+
+def test_mesh_records_and_table():
+    known = {}
+    records = _netreport.records_of(
+        MESH_RESULT["results"], 2, "100mbit", [95.0], False, known, mesh=MESH_RESULT["mesh"]
+    )
+    power = next(r for r in records if r["label"] == "powersgd")
+    assert power["mesh"] == "tp" and power["mesh_axes"] == {"data0": 2, "model": 2}
+    assert power["devices_per_process"] == 2 and power["baseline"] == "allreduce"
+    assert power["ratio_runs"] == [0.5, 0.25] and power["ratio_vs_allreduce"] == 0.375
+    assert power["link_bytes_per_step"] == 5.0 and power["bytes_per_step"] == 15.0
+    assert power["options"] == {"rank": 2}  # the registry's, without the specs it was given
+    assert known[("tp", 2, "powersgd")]["bytes_by_axes"] == {"data0": 5.0, "model": 10.0}
+    flat = _netreport.records_of(MESH_RESULT["results"], 2, "100mbit", [95.0], False, known)
+    assert {r["mesh"] for r in flat} == {"flat"} and "mesh_axes" not in flat[0]
+    text = _netreport.table(flat + records, ["100mbit"])
+    assert "**N = 2**\n" in text and "**N = 2, mesh tp** (data0 2 x model 2;" in text
+    assert "| powersgd | 0.38 (1.000) | 5 | 10 |" in text
+    assert "| powersgd | 0.38 (1.000) | 15 |" in text  # the flat section: all bytes
+
+
+def _mesh_workers(mesh, labels, port):
+    procs = []
+    for i in range(2):
+        config = {"coordinator": f"127.0.0.1:{port}", "nodes": 2, "process": i,
+                  "rate": "unshaped", "params": 2e4, "steps": 2, "runs": 1, "threads": None,
+                  "labels": labels, "local": False, "measure_bytes": True,
+                  "mesh": mesh}  # fmt: skip
+        argv = [sys.executable, str(SCRIPT), "--worker", json.dumps(config)]
+        out = subprocess.PIPE
+        worker_env = {**env(), "JAX_PLATFORMS": "cpu"}
+        procs.append(subprocess.Popen(argv, env=worker_env, stdout=out, text=True))
+    return bench_network._results(procs, 600, f"--mesh {mesh} on 127.0.0.1")
+
+
+@pytest.mark.slow
+def test_mesh_workers_on_loopback():
+    """Two worker processes on 127.0.0.1 (no namespaces, no root), 2 CPU devices each:
+    gloo collectives over the data axis across the processes, the model axis inside."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    payload = _mesh_workers("tp", ["allreduce", "powersgd", "diloco"], port)
+    assert payload["devices"]["device_count"] == 4 and payload["devices"]["process_count"] == 2
+    mesh = payload["mesh"]
+    assert mesh["name"] == "tp" and mesh["axes"] == {"data0": 2, "model": 2}
+    assert mesh["param_specs"]["w1"] == "P(None, 'model')" and mesh["batch"] == 64
+    results = payload["results"]
+    assert set(results) == {"allreduce", "powersgd", "diloco"}
+    assert results["diloco"]["cycle"] == 20 and len(results["diloco"]["runs"]) == 1
+    for res in results.values():
+        # The model axis's psums stay inside a process; the data axis's cross the link.
+        assert res["bytes_by_axes"]["model"] > 0 and res["link_bytes"] > 0
+    assert results["powersgd"]["link_bytes"] < results["allreduce"]["link_bytes"] / 5
+    records = _netreport.records_of(results, 2, "unshaped", [], False, {}, mesh=mesh)
+    assert {r["mesh"] for r in records} == {"tp"}
+
+
+@needs_root
+@pytest.mark.slow
+def test_tiny_mesh_run_records_the_mesh(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--mesh", "tp,fsdp", "--nodes", "2", "--rates",
+         "100mbit", "--methods", "allreduce,terngrad", "--params", "2e4", "--steps", "2",
+         "--out", str(tmp_path), "--quiet"],
+        capture_output=True, text=True, timeout=600, env=env(), check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads((tmp_path / "network.json").read_text())
+    fsdp_rows = {(m, "fsdp") for m in _netmesh.FSDP if m in ("allreduce", "terngrad")}
+    assert {(r["label"], r["mesh"]) for r in records} == {
+        ("allreduce", "tp"), ("terngrad", "tp"), *fsdp_rows,
+    }  # fmt: skip
+    for r in records:
+        assert r["mesh_axes"] == {"data0": 2, "model": 2} and r["devices_per_process"] == 2
+        assert r["bytes_per_step"] > r["link_bytes_per_step"] > 0
+        assert (r["provenance"]["device_count"], r["provenance"]["process_count"]) == (4, 2)
+    fsdp = next(r for r in records if r["mesh"] == "fsdp")
+    assert fsdp["param_specs"]["w0"] == "P('data0', 'model')"
+    assert fsdp["baseline"] == "allreduce (psum_scatter)"
+    text = (tmp_path / "network.md").read_text()
+    assert "mesh tp" in text and "allreduce (psum_scatter)" in text
