@@ -169,12 +169,22 @@ def _sampled_fits(size: int, k: int) -> bool:
     return size >= 1 << 14 and size // _block_size(size, k) >= 2 * k
 
 
-def _exactly_k(keys: jax.Array, k: int) -> jax.Array:
-    """The mask of the top k keys, ties to lower positions: exactly k entries."""
+def _exactly_k(keys: jax.Array, k: int, order: jax.Array | None = None) -> jax.Array:
+    """The mask of the top k keys: exactly k entries.
+
+    Ties at the k-th largest key go to lower positions in the array, or, with `order`
+    (distinct non-negative int32, one per key), to lower `order`: among the ties, the m
+    with the smallest `order` (m = k less the keys above them), found by a second
+    bisection, for the m-th largest `2^31 - 1 - order`.
+    """
     kth = kth_largest(keys, k)
     above = keys > kth
     ties = keys == kth
-    return above | (ties & (_ranks(ties)[0] < k - jnp.sum(above, dtype=jnp.int32)))
+    m = k - jnp.sum(above, dtype=jnp.int32)
+    if order is None:
+        return above | (ties & (_ranks(ties)[0] < m))
+    rank = jnp.where(ties, jnp.int32(2**31 - 1) - order.astype(jnp.int32), -1)
+    return above | (ties & (rank >= kth_largest(rank, m)))
 
 
 def _superset(keys: jax.Array, k: int, capacity: int) -> jax.Array:

@@ -94,6 +94,13 @@ def gradient_dropping(
     the size tests are the whole tensor's (`sparse.topk_over_shards`, or during warm-up
     each bisection pass's count summed over the shard axes), each piece sends about 1/S
     of the pairs, and every `local` mode gives the whole tensor's result, bit for bit.
+    After warm-up, ties at the threshold go to lower positions in the whole tensor's
+    row-major order where `specs` gives the leaf's `PartitionSpec`
+    (`_shards.global_index`), which sends the whole tensor's entries in every layout;
+    without it, in shard-major order (piece s's element j at `s * piece + j`), the
+    row-major order only where the leaf is split along its leading dimension, so a leaf
+    split along another one may send other tied entries. (During warm-up every tied
+    entry goes, whatever the order.)
 
     With FSDP (ZeRO-3, `specs`: a param split along its leading dimension over
     `axis_name`, `P("data", ...)`, as `gradcomm.parallel.shard_params` places it), the
@@ -125,12 +132,14 @@ def gradient_dropping(
         what it sent.
       warmup_steps: length of the drop-ratio warm-up (the paper's 1000); 0 turns it off.
       selector: "sampled" or "exact" top-k, as in `gradcomm.lags`.
-      specs: None, or the params' `PartitionSpec`s (a pytree like them). A leaf whose spec
-        splits its leading dimension over `axis_name`, `P("data", ...)`, is FSDP-split:
-        its gradient comes in whole and leaves as this device's shard of C, its leading
-        dimension divided by N (which must divide it). Other entries are not read (leaves
-        split over other mesh axes are known by their types); an FSDP leaf must not also
-        be split over another mesh axis.
+      specs: None, or the params' `PartitionSpec`s (a pytree like them; None for a
+        leaf whose spec is not given). A leaf whose spec splits its leading dimension
+        over `axis_name`, `P("data", ...)`, is FSDP-split: its gradient comes in whole
+        and leaves as this device's shard of C, its leading dimension divided by N
+        (which must divide it); an FSDP leaf must not also be split over another mesh
+        axis. A leaf split over other mesh axes (known by its type) breaks ties by its
+        spec in the whole tensor's row-major order (see above), so its spec must name
+        those axes.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -142,7 +151,7 @@ def gradient_dropping(
         with axes beyond `axis_name` under `shard_map(check_vma=False)`; with `specs`, for
         specs not shaped like the gradients, an FSDP leaf whose leading dimension N does
         not divide, that is split over other mesh axes too, or whose residual is not
-        whole-sized.
+        whole-sized, or a leaf split over other mesh axes than its spec names.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -197,10 +206,11 @@ def gradient_dropping(
         n = _axes.axis_size(axis_name)
         leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)
+        paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(updates)]
+        names = _checks.leaf_names(paths)
+        leaf_specs = _shards.leaf_specs(specs, updates, "gradient_dropping")
         fsdp = [False] * len(leaves)
         if specs is not None:
-            paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(updates)]
-            names = _checks.leaf_names(paths)
             fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "gradient_dropping")
             for i in (i for i, split in enumerate(fsdp) if split):
                 sparse.check_whole_residual(
@@ -225,14 +235,22 @@ def gradient_dropping(
         def local_gradient(i: int, dtype: Any) -> jax.Array:
             return mine(leaves[i].ravel().astype(dtype), i)
 
-        def select(a: jax.Array, axes: tuple[str, ...], whole: int) -> Any:
+        def select(a: jax.Array, axes: tuple[str, ...], whole: int, i: int) -> Any:
             k = sparse.num_kept(whole, 1 - drop_ratio)
-            if axes:
-                return sparse.topk_over_shards([a], [axes], k, selector)[0]
-            return sparse.topk(a, k, selector)
+            if not axes:
+                return sparse.topk(a, k, selector)
+            order = None
+            if leaf_specs[i] is not None:  # ties in the whole leaf's row-major order
+                index = _shards.global_index(
+                    leaves[i], leaf_specs[i], axes, axis_name, "gradient_dropping", names[i]
+                )
+                order = [index.ravel().astype(jnp.int32)]
+            return sparse.topk_over_shards([a], [axes], k, selector, order)[0]
 
         def steady() -> tuple[list[jax.Array], list[jax.Array]]:
-            sent = [select(a, ax, w) for a, ax, w in zip(accs, shards, wholes, strict=True)]
+            sent = [
+                select(a, ax, w, i) for a, ax, w, i in zip(accs, shards, wholes, ids, strict=True)
+            ]
             sizes = [a.size for a in accs]
             # G arrives divided by N where nothing is added to it.
             totals = sparse.sum_sparse(

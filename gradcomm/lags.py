@@ -103,9 +103,16 @@ def lags(
 
     Inside `shard_map` over a mesh with axes beyond `axis_name` (tensor parallelism), a
     leaf sharded over them is a piece of its tensor: k, the size test and the top k are
-    the whole tensor's (`sparse.topk_over_shards`; ties at the threshold go to lower
-    positions in shard-major order), each piece sends about 1/S of the pairs over
-    `axis_name`, and the result is the whole tensor's, bit for bit.
+    the whole tensor's (`sparse.topk_over_shards`), each piece sends about 1/S of the
+    pairs over `axis_name`, and the result is the whole tensor's, bit for bit. Ties at
+    the threshold (Adam's first updates before lags are nearly all of one magnitude) go
+    to lower positions in the whole tensor's row-major order where `specs` gives the
+    leaf's `PartitionSpec` (`_shards.global_index`), which selects the whole tensor's
+    entries in every layout; without it, to lower positions in shard-major order (piece
+    s's element j at `s * piece + j`), which is the row-major order only where the leaf
+    is split along its leading dimension: a leaf split along another one (a
+    column-split kernel, `P(None, "model")`) may then send other tied entries than the
+    whole tensor would.
 
     With FSDP (ZeRO-3, `specs`: a param split along its leading dimension over
     `axis_name`, `P("data", ...)`, as `gradcomm.parallel.shard_params` places it), the
@@ -133,12 +140,14 @@ def lags(
       selector: "sampled" (a block-sampled threshold refined to exactly k without a sort:
         the same entries as `lax.top_k`, several times faster on a CPU for large k; see
         `gradcomm.sparse`) or "exact" (`lax.top_k`).
-      specs: None, or the params' `PartitionSpec`s (a pytree like them). A leaf whose spec
-        splits its leading dimension over `axis_name`, `P("data", ...)`, is FSDP-split:
-        its update comes in whole and leaves as this device's shard of the mean, its
-        leading dimension divided by N (which must divide it). Other entries are not read
-        (leaves split over other mesh axes are known by their types); an FSDP leaf must
-        not also be split over another mesh axis.
+      specs: None, or the params' `PartitionSpec`s (a pytree like them; None for a
+        leaf whose spec is not given). A leaf whose spec splits its leading dimension
+        over `axis_name`, `P("data", ...)`, is FSDP-split: its update comes in whole and
+        leaves as this device's shard of the mean, its leading dimension divided by N
+        (which must divide it); an FSDP leaf must not also be split over another mesh
+        axis. A leaf split over other mesh axes (known by its type) breaks ties by its
+        spec in the whole tensor's row-major order (see above), so its spec must name
+        those axes.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LagsState`.
@@ -150,7 +159,8 @@ def lags(
         under `shard_map(check_vma=False)` (which hides which leaves are sharded); with
         `specs`, for specs not shaped like the updates, an FSDP leaf whose leading
         dimension N does not divide, that is split over other mesh axes too, or whose
-        residual is not whole-sized.
+        residual is not whole-sized, or a leaf split over other mesh axes than its spec
+        names.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -186,11 +196,13 @@ def lags(
         names: list[str],
         residuals: list[jax.Array],
         fsdp: list[bool] | None = None,
+        leaf_specs: list[Any] | None = None,
     ) -> tuple[list[jax.Array], list[jax.Array]]:
         n = _axes.axis_size(axis_name)
         densities = _leaf_densities(density, names)
         out, new_residuals = list(leaves), list(residuals)
         fsdp = fsdp or [False] * len(leaves)
+        leaf_specs = leaf_specs or [None] * len(leaves)
         for i in (i for i, split in enumerate(fsdp) if split):
             sparse.check_whole_residual(residuals[i], leaves[i], n, "lags", names[i])
             out[i] = _shard_shaped(leaves[i], n)  # an empty leaf's (empty) shard
@@ -203,7 +215,11 @@ def lags(
                 sparse.check_fsdp_axes(axes, "lags", names[i])
             k = sparse.num_kept(acc.size * _shards.num_shards(axes), densities[i])
             if axes:  # a piece of the leaf: the whole leaf's top k
-                picked = sparse.topk_over_shards([acc], [axes], k, selector)[0]
+                spec = leaf_specs[i]  # given: ties in the whole leaf's row-major order
+                order = None
+                if spec is not None:
+                    order = [_whole_order(leaves[i], spec, axes, axis_name, "lags", names[i])]
+                picked = sparse.topk_over_shards([acc], [axes], k, selector, order)[0]
                 sent.append(picked)
                 kept = sparse.unsent(acc, picked.indices, residuals[i], unique_indices=False)
             else:
@@ -237,14 +253,32 @@ def lags(
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
         names = _checks.leaf_names([path for path, _ in paths_leaves])
         fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "lags")
+        leaf_specs = _shards.leaf_specs(specs, updates, "lags")
         leaves = [leaf for _, leaf in paths_leaves]
-        out, residuals = step(leaves, names, jax.tree.leaves(state.residual), fsdp)
+        out, residuals = step(leaves, names, jax.tree.leaves(state.residual), fsdp, leaf_specs)
         structure = jax.tree.structure(state.residual)
         return jax.tree.unflatten(treedef, out), LagsState(
             residual=jax.tree.unflatten(structure, residuals)
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _whole_order(
+    leaf: jax.Array,
+    spec: Any,
+    axes: tuple[str, ...],
+    axis_name: _axes.AxisName,
+    who: str,
+    name: str,
+    offset: int = 0,
+) -> jax.Array:
+    """`offset` plus each element's index in the whole row-major leaf, flat int32: an
+    `order` for `sparse.topk_over_shards` (`leaf`: this device's piece, shaped)."""
+    index = _shards.global_index(leaf, spec, axes, axis_name, who, name)
+    if index is None:  # a whole leaf: its own index
+        return jnp.arange(offset, offset + leaf.size, dtype=jnp.int32)
+    return (index.ravel() + jnp.uint32(offset)).astype(jnp.int32)
 
 
 def _shard_shaped(leaf: jax.Array, n: int) -> jax.Array:
@@ -258,6 +292,7 @@ def slgs(
     *,
     density: float = 0.001,
     selector: sparse.Selector = "sampled",
+    specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SLGS-SGD, the single-layer baseline of LAGS: one top-k over the whole flattened model.
 
@@ -265,24 +300,38 @@ def slgs(
     across all leaves at once, so a leaf may send many entries or none. Leaves are joined in
     their common dtype.
 
-    With leaves sharded over mesh axes beyond `axis_name` (tensor parallelism), D is the
-    whole model's size and the top k the whole model's: its order (for ties at the
-    threshold) is one group of leaves per set of shard axes, first seen first, each
-    group in shard-major order over this device's concatenation of its pieces
-    (`sparse.topk_over_shards`). Each device of those axes sends 1/S of the k pairs
-    (`sparse.sum_sparse_over_shards`); the result is the whole model's, bit for bit.
+    The whole model's order, which breaks ties at the threshold (ties go to lower
+    positions), is the concatenation of its whole leaves, flattened row-major, in tree
+    order. With leaves sharded over mesh axes beyond `axis_name` (tensor parallelism), D
+    is the whole model's size and the top k the whole model's
+    (`sparse.topk_over_shards`). Where `specs` gives every sharded leaf's
+    `PartitionSpec`, ties go in that order (each element's place in its whole leaf from
+    `_shards.global_index`), so the entries sent are the whole model's in every layout.
+    Without it the order is one group of leaves per set of shard axes, first seen
+    first, each group in shard-major order over this device's concatenation of its
+    pieces: where leaves are split along another dimension than their leading one, or
+    groups reorder them, tied entries may differ from the whole model's. Each device of
+    those axes sends 1/S of the k pairs (`sparse.sum_sparse_over_shards`); the result is
+    the whole model's, bit for bit, for the entries chosen.
 
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
       density: k/D in (0, 1].
       selector: "exact" or "sampled", as for `lags`.
+      specs: None, or the params' `PartitionSpec`s (a pytree like them; None for a
+        leaf whose spec is not given): they order ties as above where every leaf split
+        over mesh axes beyond `axis_name` has one. A spec must name the mesh axes its
+        leaf is split over (known by its type); none may split a leaf over `axis_name`
+        (slgs does not take FSDP).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `SlgsState`.
 
     Raises:
       ValueError: for a density outside (0, 1] or an unknown selector at construction; at
-        trace time as for `lags`.
+        trace time as for `lags`, and, with `specs`, for specs not shaped like the
+        updates, a spec that splits a leaf over `axis_name`, or a leaf split over other
+        mesh axes than its spec names.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -302,9 +351,11 @@ def slgs(
     sparse.check_selector(selector)
 
     def step(
-        leaves: list[jax.Array], names: list[str], residuals: list[jax.Array]
+        leaves: list[jax.Array],
+        names: list[str],
+        residuals: list[jax.Array],
+        leaf_specs: list[Any] | None = None,
     ) -> tuple[list[jax.Array], list[jax.Array]]:
-        del names
         n = _axes.axis_size(axis_name)
         dtype = jnp.result_type(*leaves)
         accs = [
@@ -312,7 +363,14 @@ def slgs(
         ]
         shards = [_shards.shard_axes(a, axis_name, "slgs") for a in accs]
         if any(shards):
-            return _slgs_over_shards(leaves, residuals, accs, shards, axis_name, density, selector)
+            order = None
+            if leaf_specs is not None and all(
+                spec is not None for spec, axes in zip(leaf_specs, shards, strict=True) if axes
+            ):  # ties in the whole model's order: its whole leaves in tree order
+                order = _model_order(leaves, leaf_specs, shards, names, axis_name)
+            return _slgs_over_shards(
+                leaves, residuals, accs, shards, axis_name, density, selector, order
+            )
         acc = _packing.concatenate(accs)
         values, indices = sparse.topk(acc, sparse.num_kept(acc.size, density), selector)
         sizes = [a.size for a in accs]
@@ -327,7 +385,44 @@ def slgs(
             new_residuals.append(sparse.unsent(a, segment, r, unique_indices=False))
         return out, new_residuals
 
-    return _leafwise.with_residuals("slgs", axis_name, SlgsState, step)
+    if specs is None:
+        return _leafwise.with_residuals("slgs", axis_name, SlgsState, step)
+
+    # With specs: `_leafwise.with_residuals` with each leaf's spec (the residual is shaped
+    # like the params and the updates).
+    def init_fn(params: Any) -> SlgsState:
+        return SlgsState(residual=jax.tree.map(jnp.zeros_like, params))
+
+    def residual_step(
+        leaves: list[jax.Array], names: list[str], state: SlgsState
+    ) -> tuple[list[jax.Array], SlgsState]:
+        if any(sparse.fsdp_leaves(specs, state.residual, names, axis_name, "slgs")):
+            raise ValueError(
+                f"slgs: specs split a leaf over the data axes {axis_name!r} (FSDP), which "
+                f"slgs does not take: give its leaves no data axis in their specs"
+            )
+        leaf_specs = _shards.leaf_specs(specs, state.residual, "slgs")
+        out, residuals = step(leaves, names, jax.tree.leaves(state.residual), leaf_specs)
+        structure = jax.tree.structure(state.residual)
+        return out, SlgsState(residual=jax.tree.unflatten(structure, residuals))
+
+    return _leafwise.transformation("slgs", axis_name, init_fn, residual_step)
+
+
+def _model_order(
+    leaves: list[jax.Array],
+    leaf_specs: list[Any],
+    shards: list[tuple[str, ...]],
+    names: list[str],
+    axis_name: _axes.AxisName,
+) -> list[jax.Array]:
+    """Per leaf, each element's position in the whole model (its whole leaves, flattened
+    row-major, one after the other in tree order), flat int32, as this device's piece."""
+    out, offset = [], 0
+    for leaf, spec, axes, name in zip(leaves, leaf_specs, shards, names, strict=True):
+        out.append(_whole_order(leaf, spec, axes, axis_name, "slgs", name, offset))
+        offset += leaf.size * _shards.num_shards(axes)
+    return out
 
 
 def _slgs_over_shards(
@@ -338,13 +433,16 @@ def _slgs_over_shards(
     axis_name: _axes.AxisName,
     density: float,
     selector: sparse.Selector,
+    order: list[jax.Array] | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """SLGS where some leaves are pieces of tensors sharded over mesh axes (`_shards`).
 
     The leaves form one group per set of shard axes (first seen first), each this
     device's concatenation of its pieces; the whole model is the groups in that order,
-    each in shard-major order (`sparse.topk_over_shards`, which also says how ties are
-    broken). k is the whole model's; the exchange sends each device's share of it.
+    each in shard-major order (`sparse.topk_over_shards`), the exchange's numbering.
+    Ties at the threshold go in that order too, or, with `order` (per leaf, each
+    element's position in the whole model, `_model_order`), in that one. k is the
+    whole model's; the exchange sends each device's share of it.
     """
     n = _axes.axis_size(axis_name)
     groups: dict[tuple[str, ...], list[int]] = {}
@@ -355,7 +453,11 @@ def _slgs_over_shards(
     pieces = [_packing.concatenate([accs[i] for i in ids]) for ids in groups.values()]
     sizes = [piece.size for piece in pieces]
     whole = sum(size * _shards.num_shards(a) for size, a in zip(sizes, axes, strict=True))
-    picked = sparse.topk_over_shards(pieces, axes, sparse.num_kept(whole, density), selector)
+    orders = None
+    if order is not None:
+        orders = [_packing.concatenate([order[i] for i in ids]) for ids in groups.values()]
+    k = sparse.num_kept(whole, density)
+    picked = sparse.topk_over_shards(pieces, axes, k, selector, orders)
     means = sparse.sum_sparse_over_shards(picked, sizes, axes, axis_name, divide_by=n)
     out, new_residuals = list(leaves), list(residuals)
     for ids, p, mean in zip(groups.values(), picked, means, strict=True):
@@ -373,6 +475,7 @@ def lags_delta(
     axis_name: _axes.AxisName = "data",
     *,
     selector: sparse.Selector = "sampled",
+    specs: Any = None,
 ) -> Any:
     """Assumption 1's check, eq. 20, per leaf: delta(l) <= 1 means the assumption holds.
 
@@ -381,16 +484,26 @@ def lags_delta(
     with `x_p = residual + update` on device p (what `lags` selects from) and the
     denominator's expectation `(1 - k/d) |sum_p x_p|^2`. Call inside `shard_map` (or a named
     `vmap`) over `axis_name`; it sums dense vectors, so it is a diagnostic, not a fast path.
-    A leaf sharded over other mesh axes (tensor parallelism) gives its whole tensor's delta.
+    A leaf sharded over other mesh axes (tensor parallelism) gives its whole tensor's
+    delta, with its top k's ties at the threshold broken as `lags` breaks them: in the
+    whole tensor's row-major order where `specs` gives its `PartitionSpec`, else in
+    shard-major order.
 
     Args:
       acc: this device's pytree of accumulated updates.
       density: as for `lags`.
       axis_name: the axis the devices are on.
       selector: as for `lags`.
+      specs: None, or the `PartitionSpec`s of `acc`'s leaves (a pytree like it; None for
+        a leaf whose spec is not given), as for `lags`.
 
     Returns:
       A pytree of float32 scalars like `acc` (0 where k = d).
+
+    Raises:
+      ValueError: for density names that match no leaf or leaves with no density, an
+        unknown selector, specs not shaped like `acc`, or a leaf split over other mesh
+        axes than its spec names.
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
@@ -406,15 +519,20 @@ def lags_delta(
     sparse.check_selector(selector)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(acc)
     leaves = [leaf for _, leaf in paths_leaves]
-    densities = _leaf_densities(density, _checks.leaf_names([p for p, _ in paths_leaves]))
+    names = _checks.leaf_names([p for p, _ in paths_leaves])
+    densities = _leaf_densities(density, names)
+    leaf_specs = _shards.leaf_specs(specs, acc, "lags_delta")
     deltas = []
-    for leaf, d in zip(leaves, densities, strict=True):
+    for leaf, d, spec, name in zip(leaves, densities, leaf_specs, names, strict=True):
         x = leaf.ravel().astype(_axes.compute_dtype(leaf.dtype))
         axes = _shards.shard_axes(x, axis_name, "lags_delta")
         whole = x.size * _shards.num_shards(axes)
         k = sparse.num_kept(whole, d)
         if axes:  # a piece of a sharded leaf: the whole leaf's top k, norms summed
-            picked = sparse.topk_over_shards([x], [axes], k, selector)[0]
+            order = None
+            if spec is not None:
+                order = [_whole_order(leaf, spec, axes, axis_name, "lags_delta", name)]
+            picked = sparse.topk_over_shards([x], [axes], k, selector, order)[0]
             mine = jnp.zeros_like(x).at[picked.indices].set(picked.values, mode="drop")
         else:
             mine = sparse.densify(*sparse.topk(x, k, selector), x.size)

@@ -17,9 +17,13 @@ The pieces that every sparse method shares:
 * Leaves sharded over mesh axes beyond the data axes (tensor parallelism, S pieces,
   `gradcomm._shards`): k and every size test are the whole leaf's. `topk_over_shards`
   finds the whole leaf's top k: each piece's own top min(k, piece) candidates are
-  gathered over the shard axes and exactly k of them kept (ties to lower positions in
-  shard-major order: piece s's element j is `s * piece + j`, the row-major order where
-  the leaf is split along its leading dimension only). `sum_sparse(..., shards=)` and
+  gathered over the shard axes and exactly k of them kept. Ties at the threshold go to
+  lower positions in the whole leaf's row-major order where the caller gives each
+  element's place in it (`order=`, from `_shards.global_index`: the methods do where
+  they are given the params' `PartitionSpec`s), so the entries are the whole leaf's in
+  every layout; else in shard-major order (piece s's element j is `s * piece + j`), the
+  row-major order only where the leaf is split along its leading dimension, so a leaf
+  split along another one may send other tied entries. `sum_sparse(..., shards=)` and
   `sum_sparse_over_shards` then exchange it at fixed capacity: piece s sends slice s of
   the k pairs (ceil(k / S)) over the data axes, the pieces pool what they received over
   the shard axes, and each decodes its own entries in data-device order. Over the data
@@ -398,8 +402,8 @@ class ShardedTopK(NamedTuple):
         tensor's top k, the piece's size where not (past its end, so `.at[...]` with
         `mode="drop"` skips it). A piece may hold anywhere from 0 to c of the top k.
       entries: `(k,)` the values of the whole tensor's top k, the same on every piece.
-      positions: `(k,)` int32: their positions in the whole tensor's order (see
-        `topk_over_shards`), the same on every piece.
+      positions: `(k,)` int32: their positions in the whole tensor's shard-major order
+        (see `topk_over_shards`; the exchange's numbering), the same on every piece.
     """
 
     values: jax.Array
@@ -428,6 +432,7 @@ def topk_over_shards(
     axes: Sequence[_shards.Axes],
     k: int,
     selector: Selector = "exact",
+    order: Sequence[jax.Array] | None = None,
 ) -> list[ShardedTopK]:
     """The k entries of largest magnitude of a tensor split into pieces over mesh axes.
 
@@ -435,32 +440,46 @@ def topk_over_shards(
     over the mesh axes `axes[g]` into S_g pieces (`()`: not split, S_g = 1). The whole
     tensor is the groups one after the other, each in shard-major order: piece s's
     element j is element `s * size + j` of its group, with s the device's index over the
-    group's axes (row-major in the order given). That is the row-major order of the
-    whole leaf where it is split along its leading dimension only (by axes listed in its
-    `PartitionSpec`'s order); where it is split along another dimension the set is the
-    same, and only the order that breaks ties at the threshold differs. Ties go to lower
-    positions in that order.
+    group's axes (row-major in the order given). These shard-major positions number the
+    pairs on the wire (`ShardedTopK.positions`) whatever breaks ties.
+
+    Ties at the threshold go to lower positions in the whole tensor's order: without
+    `order`, the shard-major one, which is the row-major order of the whole leaf where
+    it is split along its leading dimension only, by axes its `PartitionSpec` lists in
+    the order given (`_shards.shard_axes` gives them in mesh order); elsewhere only the
+    tied entries chosen at the threshold can differ from the whole leaf's. With `order`, each
+    element's position in an order given per element: `_shards.global_index`, its index
+    in the whole row-major tensor, gives the whole leaf's top k, tied entries included,
+    in every layout.
 
     Each piece takes its own top `min(k, size)` candidates (`topk`, ties to lower
     indices): a piece holds at most k of the whole top k, and where it holds tied
-    entries of it, its first ones. One all-gather over the group's axes hands every
-    piece every candidate (S_g `min(k, size)` pairs); among them all, in the whole order
-    (each piece lists its ties in ascending index), exactly k are the whole top k, found
-    by bisection on the bits of their magnitudes (`kth_largest`) with ties ranked by
-    position. Every piece finds the same k.
+    entries of it, its first ones (so `order`, within a piece, must increase with the
+    index: a piece's row-major order is the whole tensor's restricted to it). One
+    all-gather over the group's axes hands every piece every candidate (S_g
+    `min(k, size)` pairs, with their `order`); among them all exactly k are the whole
+    top k, found by bisection on the bits of their magnitudes (`kth_largest`) with ties
+    ranked by position (with `order`, by a second bisection on it). Every piece finds
+    the same k.
 
     Args:
       pieces: per group, this device's piece, flat, all of one float dtype.
       axes: per group, the mesh axes its pieces are split over (`_shards.shard_axes`).
       k: how many entries to keep, 1 <= k <= the whole size.
       selector: for the candidates, "exact" or "sampled" (see `topk`).
+      order: None (ties in shard-major order), or per group an integer array like its
+        piece: each element's position in the whole tensor's order (all groups in one
+        numbering, distinct, in `[0, 2^31)`, increasing with the index within a piece),
+        such as `_shards.global_index(...).ravel()`.
 
     Returns:
       Per group, a `ShardedTopK`: the piece's candidates and which of them are in the
-      top k, and the whole top k as (value, position) pairs, shared by the groups.
+      top k, and the whole top k as (value, shard-major position) pairs, shared by the
+      groups.
 
     Raises:
-      ValueError: where k is out of range, or the whole tensor has 2^31 elements or more.
+      ValueError: where k is out of range, the whole tensor has 2^31 elements or more,
+        or `order` does not give one array like each piece.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -486,27 +505,38 @@ def topk_over_shards(
         raise ValueError(f"k must be in [1, {whole}], got {k}")
     if whole >= 2**31:
         raise ValueError(f"a sharded top-k needs fewer than 2^31 elements, got {whole}")
-    every_values, every_positions, own = [], [], []
+    if order is not None and [np.shape(o) for o in order] != [x.shape for x in pieces]:
+        raise ValueError(
+            f"order must hold one array like each piece, {[x.shape for x in pieces]}, got "
+            f"{[np.shape(o) for o in order]}"
+        )
+    every_values, every_positions, every_order, own = [], [], [], []
     offset = start = 0
-    for x, a in zip(pieces, axes, strict=True):
+    for g, (x, a) in enumerate(zip(pieces, axes, strict=True)):
         size = x.shape[0]
         c = min(k, size)
         values, indices = topk(x, c, selector)
+        sent = [values, indices]
+        if order is not None:  # the candidates' places in the whole order travel along
+            sent.append(jnp.asarray(order[g]).astype(jnp.int32)[indices])
         if a:
-            candidates, where = _gather_over([values, indices], a)  # (S, c) each
+            gathered = _gather_over(sent, a)  # (S, c) each
             piece = lax.axis_index(a)
         else:
-            candidates, where, piece = values[None], indices[None], 0
+            gathered, piece = [column[None] for column in sent], 0
+        candidates, where = gathered[:2]
         count = candidates.shape[0]
         base = (offset + size * np.arange(count)[:, None]).astype(np.int32)
         every_values.append(candidates.reshape(-1))
         every_positions.append((where + base).reshape(-1))
+        every_order.extend(o.reshape(-1) for o in gathered[2:])
         own.append((values, indices, start + piece * c, c, size))
         offset += count * size
         start += count * c
     every_values = _packing.concatenate(every_values)
     every_positions = _packing.concatenate(every_positions)
-    chosen = _exactly_k(magnitude_bits(every_values), k)
+    ranks = _packing.concatenate(every_order) if order is not None else None
+    chosen = _exactly_k(magnitude_bits(every_values), k, ranks)
     picked = _compact(chosen, k)[0]
     entries, positions = every_values[picked], every_positions[picked]
     out = []

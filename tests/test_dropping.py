@@ -15,6 +15,7 @@ from test_sparse import (
     assert_same_bits,
     fsdp_against_whole,
     sharded_against_whole,
+    tied,
     train_fsdp_against_replicated,
 )
 
@@ -191,6 +192,25 @@ def test_sharded_zero_and_non_finite_gradients():
         assert_same_bits(got, want)
         assert np.isfinite(got["rows"][0]).all() and not np.isfinite(got["rows"][1]).all()
         np.testing.assert_array_equal(got["cols"], 0)
+
+
+# Exact ties at the threshold on leaves split along a column or a middle dimension: with
+# specs, the whole leaves' entries go; without them, ties go in shard-major order.
+TIED_SPECS = {"cols": P(None, "model"), "mid": P(None, "model", None), "bias": P()}
+
+
+@pytest.mark.parametrize(
+    ("local", "dtype", "warmup_steps"),
+    [(None, np.float32, 0), ("compensated", jnp.bfloat16, 1), ("sum", np.float16, 0)],
+)
+def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(local, dtype, warmup_steps):
+    rng = np.random.default_rng(3)
+    shapes = {"cols": (6, 8), "mid": (3, 4, 2), "bias": (6,)}
+    grads = {k: tied((3, 2, *s), rng).astype(dtype) for k, s in shapes.items()}
+    make = functools.partial(dropping_factory(local, warmup_steps), specs=TIED_SPECS)
+    assert_same_bits(*sharded_against_whole(make, grads, TIED_SPECS))
+    got, want = sharded_against_whole(dropping_factory(local, warmup_steps), grads, TIED_SPECS)
+    assert not all(np.array_equal(got[k], want[k]) for k in ("cols", "mid"))
 
 
 # FSDP (ZeRO-3): leaves split along their leading dimension over 'data' (test_sparse's

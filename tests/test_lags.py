@@ -19,6 +19,7 @@ from test_sparse import (
     run_fsdp,
     sharded_against_whole,
     spec_of,
+    tied,
     train_fsdp_against_replicated,
 )
 
@@ -283,6 +284,133 @@ def test_delta_on_sharded_leaves_is_the_whole_leaves():
 
 def whole_delta_fn(a):
     return gradcomm.lags_delta(a, 0.2, "data")
+
+
+# Exact ties at the threshold (Adam's first updates, before lags, are nearly all of one
+# magnitude): with specs, leaves split along a column, a middle dimension or two of them
+# send the whole leaves' entries; without them ties go in shard-major order, which is the
+# whole leaf's order only where its leading dimension is split.
+TIED_LAYOUTS = {
+    "model": (
+        {"rows": P("model", None), "cols": P(None, "model"), "mid": P(None, "model", None)},
+        (2, 2),
+        ("data", "model"),
+    ),
+    "two_axes": (
+        {"rows": P(("b", "a"), None), "cols": P(None, ("a", "b")), "mid": P(None, "a", "b")},
+        (2, 2, 2),
+        ("data", "a", "b"),
+    ),
+}
+
+
+def tied_grads(dtype, steps=3, data=2, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {"rows": (8, 6), "cols": (6, 8), "mid": (3, 4, 2), "bias": (6,)}
+    return {k: tied((steps, data, *s), rng).astype(dtype) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("method", ["lags", "slgs"])
+@pytest.mark.parametrize(("layout", "dtype"), [("model", np.float32), ("two_axes", jnp.bfloat16)])
+def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(method, layout, dtype):
+    factory = gradcomm.lags if method == "lags" else gradcomm.slgs
+    specs, shape, names = TIED_LAYOUTS[layout]
+    specs = {**specs, "bias": P()}
+    grads = tied_grads(dtype)
+    make = functools.partial(factory, "data", density=0.1, specs=specs)
+    assert_same_bits(*sharded_against_whole(make, grads, specs, shape, names))
+    # Without specs, ties go in shard-major order: other entries of the split leaves.
+    make = functools.partial(factory, "data", density=0.1)
+    got, want = sharded_against_whole(make, grads, specs, shape, names)
+    assert not all(np.array_equal(got[k], want[k]) for k in ("cols", "mid"))
+
+
+def test_delta_with_specs_ties_as_the_whole_leaf():
+    rng = np.random.default_rng(6)
+    x = tied((2, 4, 12), rng)
+    mesh = explicit_mesh((2, 2), ("data", "model"))
+    spec = P(None, "model")
+
+    def delta(a):
+        return gradcomm.lags_delta(a[0], 0.2, "data", specs=spec)[None, None]
+
+    full = P("data", None, "model")
+    f = jax.jit(jax.shard_map(delta, mesh=mesh, in_specs=full, out_specs=P("data", "model")))
+    got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, full))))
+    want = per_device(whole_delta_fn, 2, x)
+    np.testing.assert_allclose(got, np.stack([want, want], 1), rtol=1e-6)
+
+
+def test_specs_that_do_not_match_the_split_or_split_over_data_raise():
+    mesh = explicit_mesh((2, 2), ("data", "model"))
+    full = P("data", None, "model")  # each device: a (4, 3) piece of a column-split leaf
+
+    def run(tx):
+        f = jax.shard_map(
+            lambda g: tx.update(g[0], tx.init(g[0]))[0][None], mesh=mesh, in_specs=full,
+            out_specs=full,
+        )  # fmt: skip
+        x = jax.ShapeDtypeStruct((2, 4, 6), jnp.float32, sharding=NamedSharding(mesh, full))
+        jax.eval_shape(f, x)
+
+    for factory in (gradcomm.lags, gradcomm.slgs):
+        with pytest.raises(ValueError, match="splits it over"):
+            run(factory("data", density=0.2, specs=P()))
+    with pytest.raises(ValueError, match="slgs does not take"):
+        run(gradcomm.slgs("data", density=0.2, specs=P("data", None)))
+
+
+# Adam before lags (the paper's placement) in parallel.train_step, on a model whose
+# gradients are the same bits split over 'model' as whole (elementwise: no product sums a
+# split dimension): Adam's first updates tie, and with specs the params are the whole
+# model's bit for bit. (A row-parallel product sums partial products over 'model', which
+# changes the gradients' last bits, and Adam's near-ties then flip on an ulp.)
+ELEMENTWISE_SPECS = {"w": P(None, "model"), "v": P(None, "model", None), "c": P()}
+
+
+def elementwise_loss(params, batch, model_axis=None):
+    terms = {k: batch[k] for k in ("w", "v")}
+    if model_axis is not None:  # this device's columns of the targets
+        i = jax.lax.axis_index(model_axis)
+        terms = {k: jax.lax.dynamic_slice_in_dim(t, i * 4, 4, 2) for k, t in terms.items()}
+    split = sum(jnp.sum((params[k][None] - t) ** 2) for k, t in terms.items())
+    if model_axis is not None:
+        split = jax.lax.psum(split, model_axis)
+    return split + jnp.sum((params["c"] - batch["c"]) ** 2)
+
+
+@pytest.mark.parametrize("method", ["lags", "slgs"])
+def test_adam_before_lags_in_train_step_keeps_the_whole_models_bits(method):
+    from gradcomm import parallel
+
+    rng = np.random.default_rng(7)
+    params = {
+        "w": rng.standard_normal((4, 8)).astype(np.float32),
+        "v": rng.standard_normal((3, 8, 2)).astype(np.float32),
+        "c": rng.standard_normal(6).astype(np.float32),
+    }
+    batches = [
+        {k: rng.standard_normal((8, *p.shape)).astype(np.float32) for k, p in params.items()}
+        for _ in range(3)
+    ]
+    factory = gradcomm.lags if method == "lags" else gradcomm.slgs
+
+    def train(mesh, placed, specs, loss):
+        tx = optax.chain(optax.adam(1e-2), factory("data", density=0.1, specs=specs))
+        state = parallel.init_state(tx, placed, mesh, axes="data")
+        step = parallel.train_step(loss, tx, mesh, axes="data")
+        for batch in batches:
+            placed, state, _ = step(placed, state, batch)
+        return jax.tree.map(np.asarray, placed)
+
+    one, two = explicit_mesh((4,), ("data",)), explicit_mesh((4, 2), ("data", "model"))
+    want = train(one, parallel.replicate(params, one), None, elementwise_loss)
+    split = functools.partial(elementwise_loss, model_axis="model")
+    placed = parallel.shard_params(params, two, ELEMENTWISE_SPECS)
+    assert_same_bits(train(two, placed, ELEMENTWISE_SPECS, split), want)
+    # Without specs (shard-major ties), the split leaves step differently.
+    got = train(two, parallel.shard_params(params, two, ELEMENTWISE_SPECS), None, split)
+    assert not all(np.array_equal(got[k], want[k]) for k in ("w", "v"))
 
 
 # FSDP (ZeRO-3): leaves split along their leading dimension over 'data' (test_sparse's

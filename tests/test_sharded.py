@@ -179,6 +179,10 @@ TP_CASES = {
     "gradient_dropping": TpCase(
         lambda specs: gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=2)
     ),
+    # lags and slgs before Adam: after it (the paper's placement) their top k is of Adam's
+    # near-tied first updates, which the row-parallel psum's last-bit changes to the
+    # gradients reorder (test_lags checks Adam before lags, bit for bit, on a model whose
+    # split gradients keep their bits).
     "lags": TpCase(lambda specs: gradcomm.lags("data", density=0.1, specs=specs)),
     "slgs": TpCase(lambda specs: gradcomm.slgs("data", density=0.1, specs=specs)),
     "gradient_dropping_local": TpCase(
@@ -350,4 +354,3 @@ def test_fsdp_with_per_device_params_says_why_not():
     params, _ = _mlp_problem()
     with pytest.raises(ValueError, match="one copy of the params per device"):
         parallel.shard_params(params, one, FSDP_SPECS, per_device=True, axes="data")
-

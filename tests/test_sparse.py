@@ -378,6 +378,68 @@ def test_topk_over_shards_is_the_whole_top_k_in_shard_major_order(selector, mode
         np.testing.assert_array_equal(np.sort(mine), want)  # the pieces' own picks
 
 
+def tied(shape, rng, scale=0.25):
+    """Values in {-2, -1, 1, 2} * scale, mostly +-1: exact ties at any top-k threshold."""
+    return (rng.choice([-1, 1], shape) * rng.choice([1, 1, 1, 2], shape) * scale).astype(np.float32)
+
+
+@functools.cache
+def ordered_top_fn(shape, spec, mesh_shape, names, k, selector):
+    """Per data row of `(2, *shape)` split by `spec` beyond 'data': the picked entries'
+    indices in the whole row-major tensor (-1 for a piece's unpicked candidates), with
+    `topk_over_shards(..., order=)` from `_shards.global_index`."""
+    from gradcomm import _collectives, _shards
+
+    mesh = explicit_mesh(mesh_shape, names)
+    axes = tuple(n for n in names if n != "data")
+
+    def body(x):
+        piece = x[0]
+        index = _shards.global_index(piece, spec, axes, "data", "test", "x").ravel()
+        order = index.astype(jnp.int32)
+        picked = sparse.topk_over_shards([piece.ravel()], [axes], k, selector, [order])[0]
+        inside = picked.indices < piece.size
+        where = jnp.where(inside, order[jnp.minimum(picked.indices, piece.size - 1)], -1)
+        return _collectives.all_gather_invariant(where, axes).reshape(1, -1)
+
+    full = P("data", *spec)
+    f = jax.shard_map(body, mesh=mesh, in_specs=full, out_specs=P("data"))
+    return mesh, full, jax.jit(f)
+
+
+@pytest.mark.parametrize("selector", ["exact", "sampled"])
+@pytest.mark.parametrize(
+    ("shape", "spec", "mesh_shape", "names"),
+    [
+        ((8, 12), P(None, "model"), (2, 2), ("data", "model")),
+        ((8, 12), P(None, "model"), (2, 4), ("data", "model")),
+        ((3, 8, 2), P(None, "model", None), (2, 4), ("data", "model")),
+        ((3, 4, 2), P(None, "a", "b"), (2, 2, 2), ("data", "a", "b")),
+        ((8, 3), P(("b", "a"), None), (2, 2, 2), ("data", "a", "b")),
+    ],
+)
+def test_topk_over_shards_with_an_order_ties_as_the_whole_tensor_does(
+    selector, shape, spec, mesh_shape, names
+):
+    """Split along a column, a middle dimension, two dimensions or by two axes in reverse,
+    a tensor full of exact ties: `order=` (each element's index in the whole row-major
+    tensor) picks exactly `topk` of the whole tensor, ties to lower indices."""
+    rng = np.random.default_rng(len(names) + mesh_shape[-1])
+    x = tied((2, *shape), rng)
+    size = int(np.prod(shape))
+    for k in (1, 7, size // 3):
+        mesh, full, f = ordered_top_fn(shape, spec, mesh_shape, names, k, selector)
+        got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, full))))
+        for row in range(2):
+            want = np.sort(np.asarray(sparse.topk(jnp.asarray(x[row].ravel()), k)[1]))
+            np.testing.assert_array_equal(np.sort(got[row][got[row] >= 0]), want)
+
+
+def test_topk_over_shards_rejects_an_order_unlike_the_pieces():
+    with pytest.raises(ValueError, match="order must"):
+        sparse.topk_over_shards([jnp.ones(4)], [()], 2, order=[jnp.arange(3)])
+
+
 def test_topk_over_shards_rejects_k_out_of_range():
     with pytest.raises(ValueError, match="k must be"):
         sparse.topk_over_shards([jnp.ones(4)], [()], 5)
