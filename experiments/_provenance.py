@@ -121,15 +121,22 @@ def software() -> dict[str, Any]:
 
 def git_state(directory: pathlib.Path | None) -> tuple[str, bool | None]:
     """(HEAD's commit, whether the tree is dirty) of the checkout holding `directory`;
-    ("unknown", None) outside a git checkout, or without git."""
+    ("unknown", None) outside a git checkout, or without git.
+
+    Dirty means a tracked file changed, or an untracked Python file exists (code the run
+    may have imported). Other untracked files, such as the run's own output folder inside
+    the checkout, do not make it dirty.
+    """
     if directory is None:
         return "unknown", None
     try:
         head = _git(directory, "rev-parse", "HEAD")
-        status = _git(directory, "status", "--porcelain")
+        status = _git(directory, "status", "--porcelain", "--untracked-files=all")
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
-    return head.strip(), bool(status.strip())
+    changes = [line for line in status.splitlines() if line.strip()]
+    dirty = any(not line.startswith("??") or line.endswith(".py") for line in changes)
+    return head.strip(), dirty
 
 
 def _git(directory: pathlib.Path, *args: str) -> str:

@@ -408,3 +408,22 @@ def test_bench_scaling_and_decode_write_json_png_and_markdown(tmp_path):
         assert "|" in (tmp_path / f"{stem}.md").read_text()
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     assert [r["n"] for r in rows] == [2, 3] and all(r["same_bits"] for r in rows)
+
+
+def test_provenance_dirty_means_code_not_output(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "a")
+    assert _provenance.git_state(tmp_path)[1] is False
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "result.json").write_text("{}")  # a run's own output
+    assert _provenance.git_state(tmp_path)[1] is False
+    (tmp_path / "out" / "helper.py").write_text("y = 2\n")  # untracked code
+    assert _provenance.git_state(tmp_path)[1] is True
+    (tmp_path / "out" / "helper.py").unlink()
+    (tmp_path / "a.py").write_text("x = 2\n")  # a changed tracked file
+    assert _provenance.git_state(tmp_path)[1] is True
