@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of, per_device
+from helpers import FSDP_SPECS, mesh_of, mlp_loss, mlp_problem, per_device
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -843,35 +843,9 @@ def test_fsdp_pairwise_wire():
         }
 
 
-def _mlp(params, batch):
-    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] + params["b2"] - batch["y"]) ** 2)
-
-
-def _mlp_problem():
-    rng = np.random.default_rng(7)
-    params = {
-        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
-        "b1": rng.standard_normal(16).astype(np.float32) / 10,
-        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
-        "b2": np.zeros(5, np.float32),
-    }
-    batches = [
-        {
-            "x": rng.standard_normal((16, 8)).astype(np.float32),
-            "y": rng.standard_normal((16, 5)).astype(np.float32),
-        }
-        for _ in range(5)
-    ]
-    return params, batches
-
-
-MLP_FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
-
-
 def _train(tx, mesh, params, batches):
     state = parallel.init_state(tx, params, mesh)
-    step = parallel.train_step(_mlp, tx, mesh)
+    step = parallel.train_step(mlp_loss, tx, mesh)
     for batch in batches:
         params, state, _ = step(params, state, batch)
     return jax.tree.map(np.asarray, params), state
@@ -892,12 +866,12 @@ def test_fsdp_train_step_matches_the_replicated_one(dtype, exchange):
     normalized step (at most about lr per element) carries at about two roundings,
     2^-7 relative for bfloat16: within lr * steps * 2^-7 = 3.9e-4 (1.4e-4 here)."""
     mesh = mesh_of(4)
-    params, batches = _mlp_problem()
+    params, batches = mlp_problem(7)
     adam = optax.adam(1e-2)
     whole = optax.chain(low_precision("data", dtype, exchange), adam)
     want, _ = _train(whole, mesh, parallel.replicate(params, mesh), batches)
-    split = optax.chain(low_precision("data", dtype, exchange, specs=MLP_FSDP_SPECS), adam)
-    placed = parallel.shard_params(params, mesh, MLP_FSDP_SPECS)
+    split = optax.chain(low_precision("data", dtype, exchange, specs=FSDP_SPECS), adam)
+    placed = parallel.shard_params(params, mesh, FSDP_SPECS)
     got, state = _train(split, mesh, placed, batches)
     rtol = 1e-6 if exchange == "auto" else None
     for k in params:

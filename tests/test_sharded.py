@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import FSDP_SPECS, mlp_loss, mlp_problem
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -134,32 +135,6 @@ def test_unchecked_types_raise_instead_of_a_per_shard_result(name):
 MLP_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
 
 
-def _mlp(params, batch, model_axis=None):
-    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
-    y = h @ params["w2"]
-    if model_axis is not None:  # each device holds a slice of the hidden units
-        y = jax.lax.psum(y, model_axis)
-    return jax.numpy.mean((y + params["b2"] - batch["y"]) ** 2)
-
-
-def _mlp_problem(seed=0):
-    rng = np.random.default_rng(seed)
-    params = {
-        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
-        "b1": rng.standard_normal(16).astype(np.float32) / 10,
-        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
-        "b2": np.zeros(5, np.float32),
-    }
-    batches = [
-        {
-            "x": rng.standard_normal((16, 8)).astype(np.float32),
-            "y": rng.standard_normal((16, 5)).astype(np.float32),
-        }
-        for _ in range(5)
-    ]
-    return params, batches
-
-
 @dataclasses.dataclass(frozen=True)
 class TpCase:
     make: Callable[..., optax.GradientTransformation] | None  # make(specs); None: no method
@@ -230,11 +205,11 @@ def test_train_step_keeps_params_split_over_the_model_axis(name):
         return optax.chain(method, adam) if case.before else optax.chain(adam, method)
 
     one, two = _meshes()
-    params, batches = _mlp_problem()
+    params, batches = mlp_problem()
     whole = parallel.per_device(params, one) if case.per_device else parallel.replicate(params, one)
-    want, _ = _train(chain(None), one, whole, batches, _mlp, case)
+    want, _ = _train(chain(None), one, whole, batches, mlp_loss, case)
     placed = parallel.shard_params(params, two, MLP_SPECS, per_device=case.per_device)
-    loss = functools.partial(_mlp, model_axis="model")
+    loss = functools.partial(mlp_loss, model_axis="model")
     got, state = _train(chain(MLP_SPECS), two, placed, batches, loss, case)
     for k in params:
         err = _relative(got[k], want[k])
@@ -263,7 +238,6 @@ def _is_adam(x):
 # ------------------------------------------------------------------------------------------
 # FSDP (ZeRO-3) in parallel.train_step: params and optimizer state split over 'data'.
 
-FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
 FSDP_CASES = {  # name: make(specs) -> the method, which sits before Adam
     "allreduce": lambda specs: gradcomm.allreduce("data", specs=specs),
     "low_precision": lambda specs: gradcomm.low_precision("data", "bfloat16", specs=specs),
@@ -276,15 +250,15 @@ def test_fsdp_train_step_matches_the_replicated_one(name):
     from gradcomm import parallel
 
     one, _ = _meshes()
-    params, batches = _mlp_problem()
+    params, batches = mlp_problem()
     adam = optax.adam(1e-2)
     want, _ = _train(
         optax.chain(FSDP_CASES[name](None), adam), one, parallel.replicate(params, one),
-        batches, _mlp,
+        batches, mlp_loss,
     )  # fmt: skip
     placed = parallel.shard_params(params, one, FSDP_SPECS)
     tx = optax.chain(FSDP_CASES[name](FSDP_SPECS), adam)
-    got, state = _train(tx, one, placed, batches, _mlp)
+    got, state = _train(tx, one, placed, batches, mlp_loss)
     for k in params:
         err = _relative(got[k], want[k])
         assert err <= 1e-6, f"{name}: param {k} off by {err:.3g} relative"
@@ -297,11 +271,11 @@ def test_fsdp_needs_a_method_that_reduce_scatters():
     from gradcomm import parallel
 
     one, _ = _meshes()
-    params, batches = _mlp_problem()
+    params, batches = mlp_problem()
     placed = parallel.shard_params(params, one, FSDP_SPECS)
     tx = optax.chain(gradcomm.allreduce("data"), optax.adam(1e-2))  # no specs
     with pytest.raises(ValueError, match="FSDP"):
-        _train(tx, one, placed, batches[:1], _mlp)
+        _train(tx, one, placed, batches[:1], mlp_loss)
 
 
 def test_fsdp_memory_and_wire():
@@ -351,6 +325,6 @@ def test_fsdp_with_per_device_params_says_why_not():
     from gradcomm import parallel
 
     one, _ = _meshes()
-    params, _ = _mlp_problem()
+    params, _ = mlp_problem()
     with pytest.raises(ValueError, match="one copy of the params per device"):
         parallel.shard_params(params, one, FSDP_SPECS, per_device=True, axes="data")

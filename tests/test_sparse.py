@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
-from helpers import per_device
+from helpers import FSDP_SPECS, mlp_loss, mlp_problem, per_device
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -592,32 +592,6 @@ def test_zero_residuals_are_whole_sized_for_fsdp_leaves():
 
 
 # A small MLP for FSDP in parallel.train_step (test_sharded's): leading dims divisible by 4.
-FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
-
-
-def mlp_loss(params, batch):
-    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] + params["b2"] - batch["y"]) ** 2)
-
-
-def mlp_problem(seed=0, steps=5):
-    rng = np.random.default_rng(seed)
-    params = {
-        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
-        "b1": rng.standard_normal(16).astype(np.float32) / 10,
-        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
-        "b2": np.zeros(5, np.float32),
-    }
-    batches = [
-        {
-            "x": rng.standard_normal((16, 8)).astype(np.float32),
-            "y": rng.standard_normal((16, 5)).astype(np.float32),
-        }
-        for _ in range(steps)
-    ]
-    return params, batches
-
-
 def train_fsdp_against_replicated(make, n=4, steps=5):
     """`make(specs)` in `parallel.train_step` on the MLP, FSDP-split (`FSDP_SPECS`) and
     replicated: returns (fsdp params, fsdp state, replicated params, replicated state)."""

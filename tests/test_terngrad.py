@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import reference
-from helpers import per_device, wire_against_psum
+from helpers import FSDP_SPECS, mlp_loss, mlp_problem, per_device, wire_against_psum
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -483,49 +483,23 @@ def test_fsdp_wire_is_a_reduce_scatter_of_the_packed_codes(n):
         assert psum / report.total > 39
 
 
-def _mlp(params, batch):
-    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] + params["b2"] - batch["y"]) ** 2)
-
-
-def _mlp_problem(seed=0):
-    rng = np.random.default_rng(seed)
-    params = {
-        "w1": rng.standard_normal((8, 16)).astype(np.float32) / 3,
-        "b1": rng.standard_normal(16).astype(np.float32) / 10,
-        "w2": rng.standard_normal((16, 5)).astype(np.float32) / 4,
-        "b2": np.zeros(5, np.float32),
-    }
-    batches = [
-        {
-            "x": rng.standard_normal((16, 8)).astype(np.float32),
-            "y": rng.standard_normal((16, 5)).astype(np.float32),
-        }
-        for _ in range(5)
-    ]
-    return params, batches
-
-
-MLP_FSDP_SPECS = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
-
-
 def test_fsdp_train_step_matches_the_replicated_one():
     """`parallel.train_step` with w1 and w2 (and Adam's moments) split over 4 devices."""
     from gradcomm import parallel
 
     mesh = helpers.mesh_of(4)
-    params, batches = _mlp_problem()
+    params, batches = mlp_problem()
 
     def train(placed, specs):
         tx = optax.chain(gradcomm.terngrad("data", seed=0, specs=specs), optax.adam(1e-2))
         state = parallel.init_state(tx, placed, mesh)
-        step = parallel.train_step(_mlp, tx, mesh)
+        step = parallel.train_step(mlp_loss, tx, mesh)
         for batch in batches:
             placed, state, _ = step(placed, state, batch)
         return jax.tree.map(np.asarray, placed), state
 
     want, _ = train(parallel.replicate(params, mesh), None)
-    got, state = train(parallel.shard_params(params, mesh, MLP_FSDP_SPECS), MLP_FSDP_SPECS)
+    got, state = train(parallel.shard_params(params, mesh, FSDP_SPECS), FSDP_SPECS)
     for k in params:
         err = np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()
         assert err <= 1e-6, f"param {k} off by {err:.3g} relative"
