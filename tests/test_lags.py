@@ -310,8 +310,10 @@ def tied_grads(dtype, steps=3, data=2, seed=0):
     return {k: tied((steps, data, *s), rng).astype(dtype) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("method", ["lags", "slgs"])
-@pytest.mark.parametrize(("layout", "dtype"), [("model", np.float32), ("two_axes", jnp.bfloat16)])
+@pytest.mark.parametrize(
+    ("method", "layout", "dtype"),
+    [("lags", "two_axes", jnp.bfloat16), ("slgs", "model", np.float32)],
+)
 def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(method, layout, dtype):
     factory = gradcomm.lags if method == "lags" else gradcomm.slgs
     specs, shape, names = TIED_LAYOUTS[layout]

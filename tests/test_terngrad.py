@@ -377,7 +377,7 @@ def fsdp_tree(n, seed=0):
     return {k: v.astype(FSDP_SHAPES[k][1]) for k, v in tree.items()}
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [3, 8])  # 2 and 4: the train_step and wire tests below
 def test_fsdp_shard_is_the_slice_of_the_whole_mean(n):
     """Device j gets rows [j r, (j + 1) r) of what it gets without specs, bit for bit on
     every wire (the same seed draws the same codes), in float32, bfloat16 and float16; the
