@@ -158,14 +158,6 @@ def global_index(
     return index
 
 
-def global_shape(shape: Sequence[int], spec: PartitionSpec | None, axis_name: AxisName) -> tuple:
-    """The whole tensor's shape from a piece's `shape` and its `spec` (data axes ignored)."""
-    if spec is None:
-        return tuple(shape)
-    dims = dim_axes(spec, len(shape), set(axis_names(axis_name)))
-    return tuple(size * num_shards(d) for size, d in zip(shape, dims, strict=True))
-
-
 # FSDP (ZeRO-3): params split over the data axes themselves, along their leading dimension.
 # Each device receives only its shard of the combined gradient: a reduce-scatter.
 
