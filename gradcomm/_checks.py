@@ -131,6 +131,13 @@ def leaf_names(paths: Sequence[tuple[Any, ...]]) -> list[str]:
     return [jax.tree_util.keystr(path, simple=True, separator="/") for path in paths]
 
 
+def named_leaves(tree: Any) -> tuple[list[Any], list[str], Any]:
+    """`tree`'s leaves, their '/'-joined names (`leaf_names`) and its treedef."""
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = leaf_names([path for path, _ in paths_leaves])
+    return [leaf for _, leaf in paths_leaves], names, treedef
+
+
 def match_names(entries: Sequence[str], names: Sequence[str], arg: str) -> list[str | None]:
     """For each leaf name, the first entry equal to it or a '/'-prefix of it (else None).
 

@@ -197,9 +197,7 @@ def lags_profile(
     """
     if method not in ("cost", "time"):
         raise ValueError(f"method must be 'cost' or 'time', got {method!r}")
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    names = _checks.leaf_names([p for p, _ in paths_leaves])
-    leaves = [leaf for _, leaf in paths_leaves]
+    leaves, names, treedef = _checks.named_leaves(params)
 
     def measure(fn: Callable[..., Any], *args: Any) -> float:
         compiled = jax.jit(fn).lower(*args).compile()

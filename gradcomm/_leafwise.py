@@ -55,9 +55,8 @@ def transformation(
     ) -> tuple[Any, Any]:
         del params, extra_args
         _checks.check_updates(updates, axis_name, who)
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        names = _checks.leaf_names([path for path, _ in paths_leaves])
-        out, new_state = step([leaf for _, leaf in paths_leaves], names, state)
+        leaves, names, treedef = _checks.named_leaves(updates)
+        out, new_state = step(leaves, names, state)
         return jax.tree.unflatten(treedef, out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -72,9 +72,7 @@ def allreduce(
         del state, params, extra_args
         _checks.check_updates(updates, axis_name, "allreduce")
         n = _axes.axis_size(axis_name)
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        names = _checks.leaf_names([path for path, _ in paths_leaves])
-        leaves = [leaf for _, leaf in paths_leaves]
+        leaves, names, treedef = _checks.named_leaves(updates)
         scatter = [
             _shards.scattered(spec, axis_name, "allreduce", name)
             for spec, name in zip(

@@ -250,11 +250,9 @@ def lags(
     ) -> tuple[Any, LagsState]:
         del params, extra_args
         _checks.check_updates(updates, axis_name, "lags")
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        names = _checks.leaf_names([path for path, _ in paths_leaves])
+        leaves, names, treedef = _checks.named_leaves(updates)
         fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "lags")
         leaf_specs = _shards.leaf_specs(specs, updates, "lags")
-        leaves = [leaf for _, leaf in paths_leaves]
         out, residuals = step(leaves, names, jax.tree.leaves(state.residual), fsdp, leaf_specs)
         structure = jax.tree.structure(state.residual)
         return jax.tree.unflatten(treedef, out), LagsState(
@@ -517,9 +515,7 @@ def lags_delta(
     """
     _check_density_spec(density)
     sparse.check_selector(selector)
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(acc)
-    leaves = [leaf for _, leaf in paths_leaves]
-    names = _checks.leaf_names([p for p, _ in paths_leaves])
+    leaves, names, treedef = _checks.named_leaves(acc)
     densities = _leaf_densities(density, names)
     leaf_specs = _shards.leaf_specs(specs, acc, "lags_delta")
     deltas = []

@@ -380,12 +380,10 @@ def powersgd(
         ]
 
     def init_fn(params: Any) -> PowerSgdState:
-        paths_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        leaves = [leaf for _, leaf in paths_leaves]
+        leaves, names, _ = _checks.named_leaves(params)
         residual = jax.tree.map(jnp.zeros_like, params)
         if not leaves:  # leafless params (optax.tree_map_params' placeholder)
             return PowerSgdState(q=jnp.zeros([], jnp.float32), residual=residual)
-        names = _checks.leaf_names([path for path, _ in paths_leaves])
         splits = splits_of(leaves, names, params)
         qs = []
         for i in compressed_ids([split.shape for split in splits]):

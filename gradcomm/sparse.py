@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradcomm import _axes, _collectives, _flat, _packing, _shards
+from gradcomm import _axes, _checks, _collectives, _flat, _packing, _shards
 from gradcomm._topk import (
     SELECTORS,
     Selector,
@@ -816,17 +816,16 @@ def zero_residuals(params: object, specs: object, axis_name: _axes.AxisName, who
       >>> r["b"].shape, r["w"].shape
       ((3,), (1, 4, 2))
     """
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    if specs is None or not paths_leaves:  # (optax.tree_map_params passes a leafless tree)
+    leaves, names, treedef = _checks.named_leaves(params)
+    if specs is None or not leaves:  # (optax.tree_map_params passes a leafless tree)
         return jax.tree.map(jnp.zeros_like, params)
-    names = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in paths_leaves]
     split = fsdp_leaves(specs, params, names, axis_name, who)
     try:
         n = int(lax.axis_size(axis_name))
     except NameError:  # outside a map: the params are whole
         n = 1
     out = []
-    for (_, leaf), s, name in zip(paths_leaves, split, names, strict=True):
+    for leaf, s, name in zip(leaves, split, names, strict=True):
         shape = np.shape(leaf)
         if s and not shape:
             raise ValueError(f"{who}: leaf {name!r} is a scalar, which FSDP cannot split")
