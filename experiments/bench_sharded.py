@@ -34,9 +34,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# name -> (factory(specs), FSDP row): every method's tensor-parallel row; FSDP rows for
-# the methods with a reduce-scatter.
-METHODS: dict[str, tuple[Callable[[Any], Any], bool]] = {}
+# name -> (factory(specs), rows): the tables it has a row in. Every method has a
+# tensor-parallel row; the methods with a reduce-scatter have FSDP rows.
+METHODS: dict[str, tuple[Callable[[Any], Any], tuple[str, ...]]] = {}
+BOTH, TP = ("tp", "fsdp"), ("tp",)
 
 
 def _register() -> None:
@@ -44,19 +45,29 @@ def _register() -> None:
 
     import gradcomm
 
+    def dropping(s: Any, **kw: Any) -> Any:
+        return gradcomm.gradient_dropping("data", drop_ratio=0.99, warmup_steps=0, specs=s, **kw)
+
+    def per_shard(s: Any) -> dict[str, Any]:
+        """Each FSDP shard's own top k; unsharded (s None), the method's whole top k."""
+        return {"fsdp_topk": "whole" if s is None else "per_shard"}
+
     METHODS.update({
-        "allreduce": (lambda s: gradcomm.allreduce("data", specs=s), True),
-        "low_precision bf16": (lambda s: gradcomm.allreduce("data", jnp.bfloat16, specs=s), True),
-        "adasum": (lambda s: gradcomm.adasum("data"), False),
-        "terngrad": (lambda s: gradcomm.terngrad("data", specs=s), True),
-        "powersgd r4": (lambda s: gradcomm.powersgd("data", rank=4, specs=s), False),
-        "lags 0.01": (lambda s: gradcomm.lags("data", density=0.01, specs=s), True),
-        "slgs 0.01": (lambda s: gradcomm.slgs("data", density=0.01), False),
-        "dropping 0.99": (
-            lambda s: gradcomm.gradient_dropping(
-                "data", drop_ratio=0.99, warmup_steps=0, specs=s
-            ),
-            True,
+        "allreduce": (lambda s: gradcomm.allreduce("data", specs=s), BOTH),
+        "low_precision bf16": (lambda s: gradcomm.allreduce("data", jnp.bfloat16, specs=s), BOTH),
+        "adasum": (lambda s: gradcomm.adasum("data"), TP),
+        "terngrad": (lambda s: gradcomm.terngrad("data", specs=s), BOTH),
+        "powersgd r4": (lambda s: gradcomm.powersgd("data", rank=4, specs=s), TP),
+        "lags 0.01": (lambda s: gradcomm.lags("data", density=0.01, specs=s), BOTH),
+        "lags 0.01 per_shard": (
+            lambda s: gradcomm.lags("data", density=0.01, specs=s, **per_shard(s)),
+            ("fsdp",),
+        ),
+        "slgs 0.01": (lambda s: gradcomm.slgs("data", density=0.01), TP),
+        "dropping 0.99": (dropping, BOTH),
+        "dropping 0.99 per_shard": (
+            lambda s: dropping(s, **per_shard(s)),
+            ("fsdp",),
         ),
     })  # fmt: skip
 
@@ -125,10 +136,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     one = parallel.make_mesh({"data": args.data}, devices=devices[: args.data])
     whole_specs = {k: P() for k in shapes}
     tp, fsdp = [], []
-    for name, (make, scatters) in _cli.progress(METHODS.items(), desc="method", quiet=args.quiet):
+    for name, (make, rows) in _cli.progress(METHODS.items(), desc="method", quiet=args.quiet):
         whole = wire_of(make(None), one, whole_specs, shapes)
-        tp.append(row(name, wire_of(make(TP_SPECS), two, TP_SPECS, shapes), whole))
-        if not scatters:
+        if "tp" in rows:
+            tp.append(row(name, wire_of(make(TP_SPECS), two, TP_SPECS, shapes), whole))
+        if "fsdp" not in rows:
             continue
         try:
             split = wire_of(make(FSDP_SPECS), one, FSDP_SPECS, shapes)

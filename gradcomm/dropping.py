@@ -73,6 +73,7 @@ def gradient_dropping(
     warmup_steps: int = 1000,
     selector: sparse.Selector = "sampled",
     specs: Any = None,
+    fsdp_topk: sparse.FsdpTopK = "whole",
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient dropping with error feedback, optionally combined with the local gradient.
 
@@ -109,7 +110,10 @@ def gradient_dropping(
     and the residual are the whole gradient's, as above; G's pairs go in the same
     all-gather and each device decodes only its shard (`sparse.sum_scattered`: (N - 1) k
     pairs per device, as without FSDP, since no fixed-capacity exchange can send the
-    (N - 1) / N k of a reduce-scatter exactly; see `gradcomm.sparse`), and the warm-up's
+    (N - 1) / N k of a reduce-scatter exactly; see `gradcomm.sparse`; with
+    `fsdp_topk="per_shard"` each shard's own top entries at the same drop ratio, and an
+    all-to-all sends each device its shard's pairs, (N - 1) / N k: a reduce-scatter of
+    the compressed vector, as `gradcomm.lags` says), and the warm-up's
     dense S goes in a reduce-scatter, (N - 1) / N of the bytes of its all-reduce. In
     C = (G + L) / N and (G - S + L) / N, L and S are then this device's shard of its own
     L and S: device j's shard is the slice of device j's C without FSDP. As each shard
@@ -140,15 +144,18 @@ def gradient_dropping(
         axis. A leaf split over other mesh axes (known by its type) breaks ties by its
         spec in the whole tensor's row-major order (see above), so its spec must name
         those axes.
+      fsdp_topk: "whole" or "per_shard": which entries of an FSDP leaf G holds after
+        the warm-up, as for `gradcomm.lags`; needs `specs`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
       `GradientDroppingState`.
 
     Raises:
-      ValueError: for a drop ratio outside [0, 1), an unknown `local` or selector, or a bad
-        `warmup_steps`; at trace time for an unbound axis, a non-floating leaf, or a mesh
-        with axes beyond `axis_name` under `shard_map(check_vma=False)`; with `specs`, for
+      ValueError: for a drop ratio outside [0, 1), an unknown `local`, selector or
+        `fsdp_topk`, `fsdp_topk="per_shard"` without `specs`, or a bad `warmup_steps`;
+        at trace time for an unbound axis, a non-floating leaf, or a mesh with axes
+        beyond `axis_name` under `shard_map(check_vma=False)`; with `specs`, for
         specs not shaped like the gradients, an FSDP leaf whose leading dimension N does
         not divide, that is split over other mesh axes too, or whose residual is not
         whole-sized, or a leaf split over other mesh axes than its spec names.
@@ -190,6 +197,7 @@ def gradient_dropping(
         raise ValueError(f"local must be one of {LOCAL_MODES}, got {local!r}")
     _checks.check_int(warmup_steps, "warmup_steps", minimum=0)
     sparse.check_selector(selector)
+    sparse.check_fsdp_topk(fsdp_topk, specs, "gradient_dropping")
 
     def init_fn(params: Any) -> GradientDroppingState:
         return GradientDroppingState(
@@ -236,6 +244,10 @@ def gradient_dropping(
             return mine(leaves[i].ravel().astype(dtype), i)
 
         def select(a: jax.Array, axes: tuple[str, ...], whole: int, i: int) -> Any:
+            if fsdp[i] and fsdp_topk == "per_shard":
+                return sparse.topk_per_shard(
+                    a, n, sparse.num_kept(whole // n, 1 - drop_ratio), selector
+                )
             k = sparse.num_kept(whole, 1 - drop_ratio)
             if not axes:
                 return sparse.topk(a, k, selector)

@@ -88,6 +88,7 @@ def lags(
     density: Density = 0.001,
     selector: sparse.Selector = "sampled",
     specs: Any = None,
+    fsdp_topk: sparse.FsdpTopK = "whole",
 ) -> optax.GradientTransformationExtraArgs:
     """LAGS-SGD: each leaf's top-k entries, with residuals, averaged over the devices.
 
@@ -122,15 +123,21 @@ def lags(
     same residual), the pairs go in the same all-gather, and each device decodes only its
     shard (`sparse.sum_scattered`). That is (N - 1) k pairs per device, as without FSDP:
     no fixed-capacity exchange can send the (N - 1) / N k of a reduce-scatter exactly
-    (see `gradcomm.sparse`). The residual is this device's unsent part of its own whole
-    gradient, so it stays whole-sized and per device: `init` builds it, `(1, rows, ...)`,
-    from the shard it is given inside the map (`parallel.init_state`; outside a map,
-    from the whole param), and `parallel.train_step` keeps it `(N, rows, ...)`, one per
-    device. Params and the optimizer's state after lags are 1/N per device; the residual
-    is not. Place lags before the optimizer, or after a stateless one
-    (`optax.chain(optax.sgd(0.1), lags)`): an optimizer before it would see whole
-    gradients with state shaped like the shards (Adam's moments would have to be whole
-    and per device, N times FSDP's), which `parallel.init_state` rejects.
+    (see `gradcomm.sparse`). `fsdp_topk="per_shard"` sends that: each of an FSDP leaf's
+    N shards is a layer of its own, its top `round(density * size / N)` entries chosen
+    on every device (`sparse.topk_per_shard`), and one all-to-all sends device j the
+    pairs of shard j, (N - 1) / N of the leaf's k per device: a reduce-scatter of the
+    compressed vector. The entries differ from the whole leaf's top k where a shard
+    holds more or fewer of them than its share. The residual is this device's unsent
+    part of its own whole gradient, so it stays whole-sized and per device: `init`
+    builds it, `(1, rows, ...)`, from the shard it is given inside the map
+    (`parallel.init_state`; outside a map, from the whole param), and
+    `parallel.train_step` keeps it `(N, rows, ...)`, one per device. Params and the
+    optimizer's state after lags are 1/N per device; the residual is not. Place lags
+    before the optimizer, or after a stateless one (`optax.chain(optax.sgd(0.1),
+    lags)`): an optimizer before it would see whole gradients with state shaped like
+    the shards (Adam's moments would have to be whole and per device, N times FSDP's),
+    which `parallel.init_state` rejects.
 
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
@@ -148,12 +155,16 @@ def lags(
         axis. A leaf split over other mesh axes (known by its type) breaks ties by its
         spec in the whole tensor's row-major order (see above), so its spec must name
         those axes.
+      fsdp_topk: "whole" (an FSDP leaf's whole top k, the entries chosen without FSDP,
+        (N - 1) k pairs per device) or "per_shard" (each shard's own top entries at the
+        same density, (N - 1) / N k pairs per device: a reduce-scatter); needs `specs`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `LagsState`.
 
     Raises:
-      ValueError: for a density outside (0, 1] or an unknown selector at construction;
+      ValueError: for a density outside (0, 1], an unknown selector or fsdp_topk, or
+        fsdp_topk="per_shard" without specs at construction;
         at trace time for density names that match no leaf or leaves with no density,
         an unbound axis, a non-floating leaf, or a mesh with axes beyond `axis_name`
         under `shard_map(check_vma=False)` (which hides which leaves are sharded); with
@@ -190,6 +201,7 @@ def lags(
     _axes.check_axis_name(axis_name)
     _check_density_spec(density)
     sparse.check_selector(selector)
+    sparse.check_fsdp_topk(fsdp_topk, specs, "lags")
 
     def step(
         leaves: list[jax.Array],
@@ -222,6 +234,10 @@ def lags(
                 picked = sparse.topk_over_shards([acc], [axes], k, selector, order)[0]
                 sent.append(picked)
                 kept = sparse.unsent(acc, picked.indices, residuals[i], unique_indices=False)
+            elif fsdp[i] and fsdp_topk == "per_shard":
+                c = sparse.num_kept(acc.size // n, densities[i])
+                sent.append(sparse.topk_per_shard(acc, n, c, selector))
+                kept = sparse.unsent(acc, sent[-1].indices, residuals[i])
             else:
                 values, indices = sparse.topk(acc, k, selector)
                 sent.append((values, indices))

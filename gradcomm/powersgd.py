@@ -37,7 +37,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from gradcomm import _axes, _checks, _leafwise, _numeric, _shards, sparse
+from gradcomm import _axes, _checks, _collectives, _leafwise, _numeric, _shards, sparse
 
 __all__ = ["PowerSgdState", "compresses", "matrix_shape", "orthogonalize", "powersgd"]
 
@@ -230,6 +230,24 @@ def _split(
     return _Split(whole, tuple(n for d in dims[:-1] for n in d), dims[-1])
 
 
+def _sum_part(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """This device's part of the sum of `x` over `axes`: the sum's rows split among them
+    (zero rows pad it to a multiple of their number), so that the mean over the data axes
+    that follows sends each factor's bytes once, not once per device of `axes`."""
+    if not axes:
+        return x
+    pad = -x.shape[0] % _shards.num_shards(axes)
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    return lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+
+
+def _whole(part: jax.Array, axes: tuple[str, ...], rows: int) -> jax.Array:
+    """The whole factor of `rows` rows from each device's part (`_sum_part`'s inverse)."""
+    if not axes:
+        return part
+    return _collectives.all_gather_invariant(part, axes, tiled=True)[:rows]
+
+
 def _piece_start(split: _Split, n_local: int) -> jax.Array:
     """Where this device's columns start in the whole leaf's last dimension."""
     return lax.axis_index(split.cols) * n_local
@@ -291,13 +309,14 @@ def powersgd(
     holds its rows of P, `orthogonalize` sums its dot products over the split axes, and
     `Q = pmean(psum(M^T P))`. Where its columns (the last dimension) are split, `P =
     pmean(psum(M Q))` over them, each device computes the rows of Q for its columns, and
-    a psum over the split axes puts the whole Q together. Per device, a leaf split k
-    ways by rows all-reduces `rank * (m / k + n)` numbers over `axis_name` (`rank * (m +
-    n)` unsplit), one split by columns `rank * (m + n / k)`: the factor that is not split
-    is whole on every device of the model axes, and each of them sends it. Over the model
-    axes: per row-split leaf, `5 rank - 2` scalar or `rank`-sized collectives
-    (`orthogonalize`) and a psum of the `(n, rank)` Q; per column-split one, a psum of
-    the `(m, rank)` P and one of the `(n, rank)` Q. The shard axes are read from the
+    a psum over the split axes puts the whole Q together. A factor summed over the split
+    axes is the same on each of their devices, so each averages only its 1/k of the
+    factor's rows over `axis_name` (`psum_scatter` over the split axes, then `pmean`,
+    then `all_gather`): per device, a leaf split k ways sends `rank * (m + n) / k`
+    numbers over `axis_name`, its share of the unsplit leaf's. Over the model axes: per
+    row-split leaf, `5 rank - 2` scalar or `rank`-sized collectives (`orthogonalize`) and
+    a reduce-scatter and an all-gather of the `(n, rank)` Q; per column-split one, the
+    same of the `(m, rank)` P and a psum of the `(n, rank)` Q. The shard axes are read from the
     leaves' types (`shard_map`'s default `check_vma=True`); with `check_vma=False` on a
     mesh with axes beyond `axis_name`, `init` and `update` raise. Call `init` inside the
     same `shard_map` on each device's pieces of the params (the specs' axes are then
@@ -440,20 +459,22 @@ def powersgd(
                 if split.cols:  # the rows of Q for this device's columns
                     n_local = ms[-1].shape[1]
                     q = lax.dynamic_slice_in_dim(q, _piece_start(split, n_local), n_local)
-                p = jnp.matmul(ms[-1], q, precision=_HIGHEST)
-                ps.append(lax.psum(p, split.cols) if split.cols else p)
+                ps.append(_sum_part(jnp.matmul(ms[-1], q, precision=_HIGHEST), split.cols))
         with jax.named_scope("exchange"):
             means = lax.pmean([leaves[i] for i in dense_ids] + ps, axis_name)
         dense, ps = means[: len(dense_ids)], means[len(dense_ids) :]
         with jax.named_scope("compress"):
-            ps = [orthogonalize(p, axes=splits[i].rows) for i, p in zip(ids, ps, strict=True)]
             local_qs = []
-            for i, m, p in zip(ids, ms, ps, strict=True):
+            for j, (i, m, p) in enumerate(zip(ids, ms, ps, strict=True)):
+                p = _whole(p, splits[i].cols, m.shape[0])
+                ps[j] = p = orthogonalize(p, axes=splits[i].rows)
                 local_q = jnp.matmul(m.T, p, precision=_HIGHEST)
-                rows = splits[i].rows
-                local_qs.append(lax.psum(local_q, rows) if rows else local_q)
+                local_qs.append(_sum_part(local_q, splits[i].rows))
         with jax.named_scope("exchange"):
             new_qs = lax.pmean(local_qs, axis_name)
+        new_qs = [
+            _whole(q, splits[i].rows, m.shape[1]) for i, m, q in zip(ids, ms, new_qs, strict=True)
+        ]
         out, new_residuals, kept_qs = list(leaves), list(residuals), []
         with jax.named_scope("combine"):
             for i, m, p, q, old in zip(ids, ms, ps, new_qs, old_qs, strict=True):

@@ -44,7 +44,10 @@ The pieces that every sparse method shares:
   it receives that many on every step, which is the all-gather. (Per-destination buffers
   of capacity about k / N reach the target only where a step's pairs spread evenly
   enough, with a fallback on the steps where they do not: a data-dependent choice of
-  message, which gradcomm does not make.) Where the pairs' all-gather would cost more
+  message, which gradcomm does not make.) What does reach it is choosing each shard's
+  entries on their own (`fsdp_topk="per_shard"`, `topk_per_shard`): then device j is
+  owed exactly c pairs by every other device, and one `all_to_all` sends them, (N - 1) c
+  pairs per device, (N - 1) / N of the leaf's k. Where the pairs' all-gather would cost more
   than a dense reduce-scatter of the leaf, (N - 1) / N of its bytes (density above about
   1 / (2N) in float32), the dense sent vectors go in an `all_to_all` of their rows,
   summed in device order (the decode's bits); the leaves `sparse_bytes_exceed_dense`
@@ -69,7 +72,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +95,8 @@ from gradcomm._topk import (
 
 __all__ = [
     "SELECTORS",
+    "FsdpTopK",
+    "PerShardTopK",
     "Selector",
     "ShardedTopK",
     "accumulate",
@@ -118,6 +123,7 @@ __all__ = [
     "sum_sparse_segments",
     "topk",
     "topk_over_shards",
+    "topk_per_shard",
     "unsent",
     "zero_residuals",
 ]
@@ -276,7 +282,7 @@ def _gather_pairs(
 
 
 def sum_sparse(
-    sent: Sequence[tuple[jax.Array, jax.Array] | ShardedTopK],
+    sent: Sequence[tuple[jax.Array, jax.Array] | ShardedTopK | PerShardTopK],
     sizes: list[int],
     axis_name: _axes.AxisName,
     *,
@@ -296,7 +302,8 @@ def sum_sparse(
 
     Args:
       sent: per leaf, `(values, indices)` from `topk` on the flattened leaf, or, for a
-        leaf sharded over mesh axes, a `ShardedTopK` from `topk_over_shards`.
+        leaf sharded over mesh axes, a `ShardedTopK` from `topk_over_shards`, or, for
+        an FSDP leaf, a `PerShardTopK` from `topk_per_shard`.
       sizes: per leaf, its number of elements (on this device: a sharded leaf's piece).
       axis_name: the axis to sum over.
       divide_by: divide the sums by this (N for the mean over N devices); on sparse
@@ -979,8 +986,135 @@ def _all_to_all_in_device_order(
     return out
 
 
+FsdpTopK = Literal["whole", "per_shard"]
+"""How an FSDP leaf's entries are chosen: the whole leaf's top k ("whole", the same
+entries as without FSDP, sent in an all-gather) or each shard's own ("per_shard",
+`topk_per_shard`, sent in an all-to-all: a reduce-scatter of the compressed vector)."""
+FSDP_TOPKS: tuple[str, ...] = ("whole", "per_shard")
+
+
+def check_fsdp_topk(fsdp_topk: str, specs: object, who: str) -> None:
+    """Raises for an unknown `fsdp_topk`, or "per_shard" without the `specs` that name
+    the FSDP leaves (it would change nothing, without a word)."""
+    if fsdp_topk not in FSDP_TOPKS:
+        raise ValueError(f"{who}: fsdp_topk must be one of {FSDP_TOPKS}, got {fsdp_topk!r}")
+    if fsdp_topk == "per_shard" and specs is None:
+        raise ValueError(
+            f"{who}: fsdp_topk='per_shard' selects FSDP leaves' entries shard by shard, and "
+            f"FSDP leaves are the ones whose specs split them over the data axes: pass "
+            f"specs=, the params' PartitionSpecs"
+        )
+
+
+class PerShardTopK(NamedTuple):
+    """An FSDP leaf's entries chosen shard by shard (`topk_per_shard`).
+
+    Attributes:
+      values: `(N c,)` shard 0's c entries, then shard 1's, and so on.
+      indices: `(N c,)` int32: their indices in the whole flat leaf (shard j's lie in
+        `[j s, (j + 1) s)`, s = size / N).
+    """
+
+    values: jax.Array
+    indices: jax.Array
+
+
+def topk_per_shard(x: jax.Array, n: int, c: int, selector: Selector = "exact") -> PerShardTopK:
+    """The c entries of largest magnitude of each of the n shards of a flat whole leaf.
+
+    Shard j is elements `[j s, (j + 1) s)` (s = size / n), the leading-dimension slice
+    that FSDP keeps on device j: each shard is chosen from as a layer of its own, at the
+    leaf's density (LAGS's layer-wise selection, one level down), so that the pairs
+    bound for device j are known to be c, and `sum_scattered` sends each device only its
+    own: `(n - 1) c` pairs, about (n - 1) / n of the leaf's k, a reduce-scatter of the
+    compressed vector. Each shard's selection is a top-c compressor, with the contraction
+    `|x - C(x)|^2 <= (1 - c / s) |x|^2` of a top-k one at the same density. Ties go to
+    lower indices, as in `topk`.
+
+    Args:
+      x: a 1-D array whose size n divides.
+      n: the number of shards (devices on the data axes).
+      c: how many entries to keep per shard, 1 <= c <= size / n.
+      selector: as for `topk`.
+
+    Returns:
+      A `PerShardTopK`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradcomm import sparse
+      >>> sparse.topk_per_shard(jnp.array([1.0, -4.0, 3.0, 0.5]), 2, 1)
+      PerShardTopK(values=Array([-4.,  3.], dtype=float32), indices=Array([1, 2], dtype=int32))
+    """
+    s = x.shape[0] // n
+    values, indices = jax.vmap(lambda row: topk(row, c, selector))(x.reshape(n, s))
+    indices = indices + (jnp.arange(n, dtype=jnp.int32) * s)[:, None]
+    return PerShardTopK(values.reshape(-1), indices.reshape(-1))
+
+
+def _sum_per_shard(
+    sent: Sequence[PerShardTopK],
+    sizes: Sequence[int],
+    axis_name: _axes.AxisName,
+    divide_by: int | None,
+) -> list[jax.Array]:
+    """This device's shard of the sum of per-shard picks (`topk_per_shard`): per dtype,
+    one `all_to_all` sends each device the pairs of its shard, summed in device order
+    (the decode's bits). Where the pairs would outweigh the dense shard, the dense rows
+    travel instead (`_all_to_all_in_device_order`, the same bits)."""
+    n = _axes.axis_size(axis_name)
+    out: list[jax.Array | None] = [None] * len(sent)
+
+    def mean(total: jax.Array) -> jax.Array:
+        return total if divide_by is None else total / divide_by
+
+    dense, pairs = [], []
+    for i, picked in enumerate(sent):
+        c, itemsize = picked.values.shape[0] // n, picked.values.dtype.itemsize
+        (dense if c * (itemsize + 4) >= sizes[i] // n * itemsize else pairs).append(i)
+    if dense:
+        rows = [
+            densify(
+                sent[i].values.astype(_axes.compute_dtype(sent[i].values.dtype)),
+                sent[i].indices,
+                sizes[i],
+            )
+            for i in dense
+        ]
+        for i, total in zip(dense, _all_to_all_in_device_order(rows, axis_name), strict=True):
+            out[i] = mean(total)
+    for group in _flat.dtype_groups([sent[i].values for i in pairs]):
+        ids = [pairs[g] for g in group]
+        parts = [sizes[i] // n for i in ids]
+        starts = _flat.offsets(parts)
+        values = [sent[i].values.reshape(n, -1) for i in ids]
+        # Each pair's index in this device's shard, moved to its leaf's place among the
+        # group's shards: the receiver decodes them all in one pass.
+        local = [
+            sent[i].indices.reshape(n, -1)
+            - (jnp.arange(n, dtype=jnp.int32) * part)[:, None]
+            + start
+            for i, part, start in zip(ids, parts, starts[:-1], strict=True)
+        ]
+        payload = jnp.concatenate(
+            [lax.bitcast_convert_type(v, jnp.uint8).reshape(n, -1) for v in values + local],
+            axis=1,
+        )  # row j: the pairs bound for device j
+        received = lax.all_to_all(payload, axis_name, 0, 0, tiled=True)  # row d: device d's
+        cut = sum(v.shape[1] for v in values) * values[0].dtype.itemsize
+        total = _sum_in_device_order(
+            _from_bytes(received[:, :cut], values[0].dtype),
+            _from_bytes(received[:, cut:], jnp.dtype(jnp.int32)),
+            starts[-1],
+            divide_by,
+        )
+        for i, (start, end) in zip(ids, itertools.pairwise(starts), strict=True):
+            out[i] = total[start:end]
+    return out
+
+
 def sum_scattered(
-    sent: Sequence[tuple[jax.Array, jax.Array] | ShardedTopK],
+    sent: Sequence[tuple[jax.Array, jax.Array] | ShardedTopK | PerShardTopK],
     sizes: list[int],
     axis_name: _axes.AxisName,
     scatter: Sequence[bool],
@@ -1001,6 +1135,9 @@ def sum_scattered(
     * else where `scatter_bytes_exceed_dense` holds (the pairs' all-gather would cost more
       than the dense reduce-scatter), by an `all_to_all` of the dense rows summed in
       device order: the same bytes as a reduce-scatter, and the sparse decode's bits;
+    * per-shard picks (`PerShardTopK`, from `topk_per_shard`) by one `all_to_all` per
+      dtype that sends each device its shard's pairs: (N - 1) c pairs per device, a
+      reduce-scatter of the compressed vector; dense rows where pairs outweigh them;
     * the others in the one fixed-capacity all-gather of pairs that `sum_sparse` sends
       (with the group's whole leaves), each device decoding only its own shard of the
       FSDP leaves: (N - 1) k pairs per device, as without FSDP, with 1/N of the decode's
@@ -1013,7 +1150,8 @@ def sum_scattered(
 
     Args:
       sent: per leaf, `(values, indices)` from `topk` on the whole flattened leaf (a
-        `ShardedTopK` for a leaf sharded over other mesh axes, which must not be FSDP).
+        `ShardedTopK` for a leaf sharded over other mesh axes, which must not be FSDP;
+        a `PerShardTopK` for an FSDP leaf chosen shard by shard).
       sizes: per leaf, its number of elements (an FSDP leaf's whole size, a multiple of N).
       axis_name: the data axes.
       scatter: per leaf, whether it is FSDP-split.
@@ -1052,6 +1190,15 @@ def sum_scattered(
                 f"but its size {sizes[i]} is not a multiple of {n}"
             )
     out: list[jax.Array | None] = [None] * count
+    per_shard = [i for i in range(count) if isinstance(sent[i], PerShardTopK)]
+    if any(not scatter[i] for i in per_shard):
+        raise ValueError("sum_sparse: per-shard picks (topk_per_shard) are for FSDP leaves")
+    if per_shard:
+        sums = _sum_per_shard(
+            [sent[i] for i in per_shard], [sizes[i] for i in per_shard], axis_name, divide_by
+        )
+        for i, total in zip(per_shard, sums, strict=True):
+            out[i] = total
     sharded = [i for i in range(count) if shards[i]]
     if sharded:
         sums = _sum_with_shards(
@@ -1065,7 +1212,7 @@ def sum_scattered(
             out[i] = total
     whole_dense, split_dense, rows, pairs = [], [], [], []
     for i in range(count):
-        if shards[i]:
+        if shards[i] or i in per_shard:
             continue
         values = sent[i][0]
         k, itemsize = values.shape[0], values.dtype.itemsize

@@ -116,3 +116,25 @@ def gradient_dropping_step(residuals, grads, k, local):
             c += np.ravel(g) - s
         out.append((c / n).reshape(np.shape(g)))
     return out, new_residuals, sent
+
+
+def per_shard(step, grads, n, keep):
+    """`step(residuals, updates, c)` (a reference.py paper step for one leaf) run on each of
+    an FSDP leaf's n shards as a leaf of its own, c = `keep(shard size)`: returns device
+    j's output on shard j and every device's whole residual, per step."""
+    steps, size = grads.shape[0], grads[0, 0].size
+    s = size // n
+    residuals = [np.zeros(size, grads.dtype) for _ in range(n)]
+    outs, kept = [], []
+    for t in range(steps):
+        flat = [grads[t, d].ravel() for d in range(n)]
+        out = []
+        for j in range(n):
+            part = slice(j * s, (j + 1) * s)
+            mean, new, _ = step([r[part] for r in residuals], [f[part] for f in flat], keep(s))
+            out.append(np.ravel(mean[j] if isinstance(mean, list) else mean))
+            for r, piece in zip(residuals, new, strict=True):
+                r[part] = np.ravel(piece)
+        outs.append(out)
+        kept.append([r.copy() for r in residuals])
+    return np.asarray(outs), np.asarray(kept)

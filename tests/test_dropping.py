@@ -10,10 +10,12 @@ import pytest
 import reference
 from helpers import mesh_of, per_device, run_steps, wire_against_psum
 from jax.sharding import PartitionSpec as P
+from test_lags import PER_SHARD_SHAPES, assert_shards_match, per_shard_grads
 from test_sparse import (
     FSDP_SPECS,
     assert_same_bits,
     fsdp_against_whole,
+    run_fsdp,
     sharded_against_whole,
     tied,
     train_fsdp_against_replicated,
@@ -270,3 +272,31 @@ def test_fsdp_train_step_matches_the_replicated_one():
         assert residual[k].shape == (4, *got[k].shape), k
         assert residual[k].addressable_shards[0].data.shape == (1, *got[k].shape)
         np.testing.assert_allclose(np.asarray(residual[k]), np.asarray(want[k]), atol=1e-7)
+
+
+@pytest.mark.parametrize("local", [None, "sum", "compensated"])
+def test_fsdp_per_shard_is_dropping_with_each_shard_a_leaf(local):
+    """`fsdp_topk="per_shard"`: Algorithm 1 (the float64 reference) on each of an FSDP
+    leaf's shards as a leaf of its own, after the warm-up; device j gets its own C on
+    shard j, and every residual is the reference's, bit for bit."""
+    n, dtype, drop_ratio = 4, np.float32, 0.75
+    grads = per_shard_grads(n, dtype)
+    tx = gradcomm.gradient_dropping(
+        "data",
+        drop_ratio=drop_ratio,
+        local=local,
+        warmup_steps=0,
+        selector="exact",
+        specs=dict.fromkeys(PER_SHARD_SHAPES, P("data")),
+        fsdp_topk="per_shard",
+    )
+    got, residuals = run_fsdp(tx, grads, dict.fromkeys(PER_SHARD_SHAPES, True), n)
+    keep = functools.partial(gradcomm.sparse.num_kept, density=1 - drop_ratio)
+
+    def step(residuals, grads, c):
+        return reference.gradient_dropping_step(residuals, grads, c, local)
+
+    for k in PER_SHARD_SHAPES:
+        want, want_residuals = reference.per_shard(step, grads[k], n, keep)
+        assert_shards_match(got[k], want, dtype, n)
+        np.testing.assert_array_equal(residuals[k], want_residuals)

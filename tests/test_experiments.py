@@ -386,10 +386,16 @@ def test_bench_sharded_splits_the_data_axis_bytes(tmp_path):
     # At this size rounding shows: each piece sends ceil(k / 2) of a leaf's k pairs, and
     # TernGrad packs each piece's codes into whole bytes and words (both 0.50 at the
     # default size).
-    for name in ("lags 0.01", "slgs 0.01", "terngrad"):
+    for name in ("lags 0.01", "slgs 0.01", "terngrad", "powersgd r4"):
         assert 0.5 <= rows[name]["data_ratio"] <= 0.6, (name, rows[name])
     fsdp = {r["method"]: r for r in study["fsdp"]}
     assert fsdp["allreduce"]["by_kind"]["reduce-scatter"] > 0
+    # Each shard's own top k: an all-to-all of (N - 1) / N of the pairs, 1/N of the
+    # whole top k's all-gather, plus the biases' (whole leaves') pairs.
+    for name in ("lags 0.01", "dropping 0.99"):
+        whole, shards = fsdp[name], fsdp[f"{name} per_shard"]
+        assert shards["by_kind"]["all-to-all"] > 0, shards
+        assert 0.25 <= shards["fsdp_bytes"] / whole["fsdp_bytes"] <= 0.3, (whole, shards)
     assert "|" in (tmp_path / "bench_sharded.md").read_text()
 
 

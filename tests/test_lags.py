@@ -547,3 +547,83 @@ def test_fsdp_wire_bytes():
     k = gradcomm.sparse.num_kept(size, 0.2)
     assert kinds(0.2, None) == {"all-gather": (n - 1) * k * 8}
     assert kinds(0.2, spec) == {"all-to-all": (n - 1) / n * size * 4}
+
+
+PER_SHARD_SHAPES = {"w": (16, 6), "v": (8, 3), "z": (8, 2), "h": (8, 4)}
+# w: pairs in the all-to-all; v: dense rows at n = 8 (2 of a shard's 3 entries); z: zeros;
+# h: huge entries, as large as the dtype allows for a sum over 8 devices in float32.
+PER_SHARD_DENSITY = {"w": 0.1, "v": 0.5, "z": 0.25, "h": 0.25}
+
+
+def per_shard_grads(n, dtype, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    grads = {
+        k: np.clip(rng.standard_normal((steps, n, *s)), -3, 3) for k, s in PER_SHARD_SHAPES.items()
+    }
+    grads["z"][:] = 0
+    grads["h"] *= float(jnp.finfo(dtype).max) / 64
+    return {k: v.astype(dtype) for k, v in grads.items()}
+
+
+def assert_shards_match(got, want, dtype, n):
+    """Each device's shard within n roundings of the dtype of the largest entry (the sum of
+    n terms runs in float32, the reference's in float64), zeros exactly."""
+    got = np.asarray(got, np.float64).reshape(want.shape)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=eps, atol=n * eps * np.abs(want).max())
+    assert not got[want == 0].any()
+
+
+@pytest.mark.parametrize(
+    ("n", "dtype"),
+    [(1, np.float32), (2, np.float16), (4, jnp.bfloat16), (8, np.float32), (8, np.float16)],
+)
+def test_fsdp_per_shard_is_lags_with_each_shard_a_layer(n, dtype):
+    """`fsdp_topk="per_shard"`: LAGS (eq. 5, the float64 reference) on each of an FSDP
+    leaf's n shards as a layer of its own at the leaf's density, for three steps with
+    residuals; each device gets its shard's mean, and every residual is the reference's,
+    bit for bit."""
+    grads = per_shard_grads(n, dtype)
+    specs = dict.fromkeys(PER_SHARD_SHAPES, P("data"))
+    tx = gradcomm.lags(
+        "data", density=PER_SHARD_DENSITY, selector="exact", specs=specs, fsdp_topk="per_shard"
+    )
+    got, residuals = run_fsdp(tx, grads, dict.fromkeys(PER_SHARD_SHAPES, True), n)
+    for k in PER_SHARD_SHAPES:
+        keep = functools.partial(gradcomm.sparse.num_kept, density=PER_SHARD_DENSITY[k])
+        want, want_residuals = reference.per_shard(reference.lags_step, grads[k], n, keep)
+        assert got[k].shape == (3, n, PER_SHARD_SHAPES[k][0] // n, PER_SHARD_SHAPES[k][1])
+        assert_shards_match(got[k], want, dtype, n)
+        np.testing.assert_array_equal(residuals[k], want_residuals)
+    assert not got["z"].any() and np.isfinite(got["h"]).all()
+
+
+def test_fsdp_per_shard_needs_specs_and_a_known_mode():
+    with pytest.raises(ValueError, match="pass specs="):
+        gradcomm.lags("data", fsdp_topk="per_shard")
+    with pytest.raises(ValueError, match="fsdp_topk must be one of"):
+        gradcomm.lags("data", specs=P("data"), fsdp_topk="shard")
+
+
+def test_fsdp_per_shard_wire_is_a_reduce_scatter_of_the_pairs():
+    """Per device over 4 devices, a (256, 64) leaf at density 0.01: `per_shard` sends each
+    other device the c = round(0.01 * size / 4) pairs of its shard, (N - 1) c * 8 bytes in
+    one all-to-all: (N - 1) / N of the k pairs that "whole" all-gathers N - 1 times."""
+    from gradcomm import wire
+
+    n, shape = 4, (256, 64)
+    mesh = explicit_mesh((n,), ("data",))
+    spec = P("data")
+    x = jax.ShapeDtypeStruct(
+        (n * shape[0], shape[1]), jnp.float32, sharding=NamedSharding(mesh, spec)
+    )
+    tx = gradcomm.lags("data", density=0.01, specs=spec, fsdp_topk="per_shard")
+
+    def body(g):
+        return tx.update(g, tx.init(g[: g.shape[0] // n]))[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    size = shape[0] * shape[1]
+    c = gradcomm.sparse.num_kept(size // n, 0.01)
+    assert wire.measure(f, x).by_kind() == {"all-to-all": (n - 1) * c * 8}
+    assert (n - 1) * c == (n - 1) / n * gradcomm.sparse.num_kept(size, 0.01)
