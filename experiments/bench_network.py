@@ -1,10 +1,16 @@
 #!/usr/bin/env python
 """Step time on an emulated network: every method against allreduce, on shaped links.
 
-    sudo python experiments/bench_network.py                   # the default grid, ~30 min
+    sudo python experiments/bench_network.py                   # the default grid: ~45 min
     python experiments/bench_network.py --nodes 2,4 --rates 100mbit,unshaped --steps 10
     python experiments/bench_network.py --nodes 2 --methods allreduce --peer --threads 1
     python experiments/bench_network.py --mesh tp,fsdp --nodes 2 --rates 100mbit,unshaped
+    # How long a run takes depends on its grid: it grows with the node counts, rates,
+    # methods, --steps and --runs, and the 100mbit cells take longest. The ~45 min of the
+    # default grid (N = 2, 4; unshaped, 1gbit, 100mbit; every method; 20 steps) is an
+    # estimate from the runs of docs/bench/network.md, which timed 15 methods (the registry
+    # has more now): 19.4 min for the 100mbit and unshaped cells at --steps 10, 8.8 min for
+    # the 1gbit cells at 20 steps. Each run's network.md records its own time.
 
 For each node count N and link rate, the script builds a cluster of N hosts (network
 namespaces joined by a bridge, each link shaped with tc's token bucket filter; see
@@ -68,12 +74,16 @@ netem is not available on the machines this was written on: no delay or loss is 
 so links differ only in bandwidth. The script needs root, and removes every namespace it
 made, on success, on error and on Ctrl-C.
 
+Needs the experiments extra (`pip install -e ".[experiments]"`) for network.png
+(matplotlib): without it the script exits before any cell runs. `--patterns` draws no plot.
+
 Writes network.json (a list of records), network.md and network.png to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -129,6 +139,46 @@ def peer_env(allocator: str, master: str, port: int) -> dict[str, str]:
         "MASTER_ADDR": master,
         "MASTER_PORT": str(port),
     }
+
+
+EXPERIMENTS_INSTALL = 'pip install -e ".[experiments]"'
+# What network.png needs beyond gradcomm's own dependencies (`_report.save_figure`).
+PLOT_MODULES = ("matplotlib", "cycler")
+
+
+def plot_problem() -> str | None:
+    """Why network.png cannot be drawn here (one line), or None when matplotlib is there.
+
+    Checked before any cell runs, as the grid takes many minutes and the plot comes last.
+    The modules are found, not imported: matplotlib's import writes its config directory,
+    and the refusal without root stays one line.
+    """
+    for name in PLOT_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return (
+                f"network.png needs matplotlib, which is not installed here (no module "
+                f"{name!r}); install the experiments extra: {EXPERIMENTS_INSTALL} "
+                "(--patterns draws no plot)"
+            )
+    return None
+
+
+def parameter_count(text: str) -> float:
+    """An argparse type: a parameter count, plain (4000000, 4e6) or with a k or M suffix."""
+    scale = {"k": 1e3, "m": 1e6}.get(text.strip()[-1:].lower(), 1.0)
+    try:
+        value = float(text.strip()[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a count such as 4M, 250k or 2e4: {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def torch_problem() -> str | None:
@@ -234,7 +284,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma-separated rows (allreduce always runs as the baseline)",
     )
     parser.add_argument("--mesh", default="flat", help=_netmesh.HELP)
-    parser.add_argument("--params", type=float, default=4e6, help="MLP parameters (about)")
+    parser.add_argument(
+        "--params",
+        type=parameter_count,
+        default="4M",
+        help="MLP parameters, about: a count such as 4M, 250k or 2e4",
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method per run")
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs, unshaped cells")
     parser.add_argument("--shaped-runs", type=int, default=1, help="runs for shaped cells")
@@ -296,6 +351,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--peer times training steps: it does not go with --patterns")
     if args.peer:
         problem = torch_problem()
+        if problem:
+            parser.exit(2, f"bench_network: {problem}\n")
+    if not args.patterns:
+        problem = plot_problem()
         if problem:
             parser.exit(2, f"bench_network: {problem}\n")
     return args

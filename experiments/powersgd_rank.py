@@ -11,10 +11,10 @@ below it, while each device sends a small fraction of the all-reduce's bytes. He
 small CNN on the digits with momentum SGD (0.9) and one learning rate for every method,
 chosen on the all-reduce alone (0.05-0.3 tried on seeds 10-14, not the study's); PowerSGD
 sits before the optimizer, on gradients (Algorithm 2), and sends vectors and the leaves it
-cannot compress dense. `--seed` splits the digits (one test set for every run), `--seeds`
-set each run's initialization and data order, so the accuracies pair up by seed. The bytes
-are read from each compiled step (gradcomm.wire). Writes powersgd_rank.{json,png,md} to
---out.
+cannot compress dense. `--seeds` set each run's initialization and data order, so the
+accuracies pair up by seed; the digits are split once, with seed 0 (`SPLIT_SEED`), so every
+run is tested on the same test set. The bytes are read from each compiled step
+(gradcomm.wire). Writes powersgd_rank.{json,png,md} to --out.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import math
 
 import _cli
+import _data
 import _loop
 import _methods
 import _provenance
@@ -36,6 +37,8 @@ from gradcomm import parallel
 from gradcomm.powersgd import compresses, matrix_shape
 
 BASELINE = "allreduce"
+# The train/test split of the digits, the same for every seed of `--seeds`.
+SPLIT_SEED = 0
 
 
 def label(rank: int) -> str:
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     _runtime.add_schedule_args(parser, epochs=20, batch_size=16, seeds=True)
     parser.set_defaults(seeds="0,1,2,3,4")
-    _runtime.add_common_args(parser)
+    _runtime.add_common_args(parser, seed=False)  # a study of several seeds: --seeds only
     args = _runtime.parse_args(parser, argv, check_ranks)
     ranks = sorted(set(_cli.comma_list(args.ranks, int, "--ranks")))
     seeds = _runtime.seed_list(args)
@@ -71,9 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    task = _tasks.cnn_task(args)
+    data = _data.load_dataset(args.dataset, args.data_dir, SPLIT_SEED)
+    task = _tasks.classification_task(_tasks.small_cnn(data.num_classes), data)
     main_process = _runtime.is_main_process()
-    steps = args.epochs * len(task.batches(n * args.batch_size, args.seed, 0))
+    steps = args.epochs * len(task.batches(n * args.batch_size, seeds[0], 0))  # any seed's
     specs = [_methods.METHODS[BASELINE], *(spec(r) for r in ranks)]
 
     results = []
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
 
     if main_process:
-        params = task.init(jax.random.key(args.seed))
+        params = task.init(jax.random.key(seeds[0]))  # the shapes: any seed's
         rows = summarize(specs, ranks, results, params, n)
         verdict = conclude(rows, args.tolerance)
         table = _table(rows, len(seeds)) + "\n\n" + verdict
@@ -100,7 +104,12 @@ def main(argv: list[str] | None = None) -> None:
         path = _report.write_study(
             args.out,
             "powersgd_rank",
-            {**vars(args), "devices": n, "processes": jax.process_count()},
+            {
+                **vars(args),
+                "split_seed": SPLIT_SEED,
+                "devices": n,
+                "processes": jax.process_count(),
+            },
             results,
             table,
             lambda fig: plot(fig, rows, results),

@@ -139,15 +139,7 @@ def sgp(
     _axes.check_exchange(exchange)
     topologies.check_topology(topology)
     _checks.check_int(overlap, "overlap", minimum=0)
-    if (
-        isinstance(allreduce_steps, bool)
-        or not isinstance(allreduce_steps, int)
-        or allreduce_steps < 0
-    ):
-        raise ValueError(
-            f"allreduce_steps must be a non-negative int, got {allreduce_steps!r}"
-            + _checks.static_hint(allreduce_steps, "allreduce_steps")
-        )
+    _checks.check_int(allreduce_steps, "allreduce_steps", minimum=0)
 
     def init_fn(params: Any) -> SgpState:
         dtype = _weight_dtype(params)

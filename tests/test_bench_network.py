@@ -99,6 +99,51 @@ def test_help_shows_defaults(capsys):
     assert "--mesh MESH" in shown and "(default: flat)" in " ".join(shown.split())
 
 
+def test_help_states_the_model_size_and_the_duration_readably(capsys):
+    with pytest.raises(SystemExit):
+        bench_network.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: 4M)" in shown and "4000000" not in shown
+    assert "the default grid: ~45 min" in shown and "depends on its grid" in shown
+    assert "19.4 min" in shown  # the measured basis of the estimate
+    assert bench_network.parse_args(["--nodes", "2"]).params == 4e6
+    for text, count in (("4M", 4e6), ("250k", 2.5e5), ("2e4", 2e4), ("4000000", 4e6)):
+        assert bench_network.parameter_count(text) == count
+
+
+# The script run as `python SCRIPT ARGS...` where `import matplotlib` fails, as it does
+# without the experiments extra (None in sys.modules: the import raises ModuleNotFoundError).
+WITHOUT_MATPLOTLIB = """
+import runpy, sys
+sys.modules["matplotlib"] = None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_without_matplotlib_exits_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_MATPLOTLIB, str(SCRIPT), "--nodes", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, env=env(), check=False,
+    )  # fmt: skip
+    assert time.monotonic() - start < 10
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_network: network.png needs matplotlib")
+    assert 'install the experiments extra: pip install -e ".[experiments]"' in lines[0]
+    assert not result.stdout and not out.exists()
+
+
+def test_plot_check_in_process(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_network.parse_args(["--nodes", "2"])
+    assert exit_info.value.code == 2 and ".[experiments]" in capsys.readouterr().err
+    assert bench_network.parse_args(["--patterns"]).patterns  # draws no plot: no check
+
+
 def test_plot_draws_every_method_in_its_style(tmp_path):
     # The committed records, redrawn: one line per method and node count, registry styles.
     records = json.loads((ROOT / "docs" / "bench" / "quick" / "network.json").read_text())

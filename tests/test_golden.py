@@ -1,24 +1,25 @@
-"""Against the outputs of the code before the issue-14 redesign: bit for bit on its CPU.
+"""Every method's params after four `parallel.train_step` steps, against recorded outputs.
 
-`tests/data/golden.npz` holds the per-device params after each of four
-`parallel.train_step` steps of every method, made by `tests/make_golden.py` on commit
-2e9d998 (the last commit before the redesign: the `_base` split, explicit parameter
-synchronization, one flat-buffer home, the one-scatter sparse exchange, Adasum's group
-statistics, SGP's packed in-flight messages). The redesign promised the same bits; this
-test holds it to that. Two rows changed API: periodic averaging was
+For each row of `CASES` (a method, its sync, mesh, device count and params dtype), the
+per-device params after each of four steps must match those in `tests/data/golden.npz`,
+each leaf bit for bit or within `ULPS` (4) eps of its largest recorded magnitude (eps the
+dtype's machine epsilon); a leaf outside that fails under its `name/step/leaf/dtype`. The
+file was written by `tests/make_golden.py` on commit 2e9d998, so the test holds today's
+code to that commit's arithmetic. Two rows changed API since: periodic averaging was
 `gradient_dropping(average_every=2)` and the `local_sgd(every=2)` transformation, and is
-now `sync=gradcomm.periodic_average(...)` / `sync=gradcomm.local_sgd(...)`.
+now `sync=gradcomm.periodic_average(...)` / `sync=gradcomm.local_sgd(...)`; the maker
+uses the old API on the old code.
 
-The bits were recorded on one CPU. XLA:CPU generates code for the CPU it runs on (vector
-width, fused multiply-adds), so on another CPU the same program may round differently:
-on an AMD EPYC the float32 rows differ by up to 1.5 eps of each leaf's largest entry after
-four steps (eps the dtype's machine epsilon), and an AVX-512 Xeon moved one float16 entry
-of `lags_f16` by one unit. So each leaf must match bit for bit or within `ULPS` eps of its
-largest magnitude; the test reports which.
+Why a tolerance: XLA:CPU generates code for the CPU it runs on (vector width, fused
+multiply-adds), so on another CPU the same program may round differently. On an AMD EPYC
+the float32 rows differed by up to 1.5 eps of each leaf's largest entry after four steps,
+and an AVX-512 Xeon moved one float16 entry of `lags_f16` by one unit; 4 eps leaves room
+for that, and a change of the arithmetic beyond rounding still fails.
 
-Rerun the maker on that commit to regenerate (it writes the file it is given):
-`git worktree add /tmp/before 2e9d998 && cd /tmp/before && JAX_NUM_CPU_DEVICES=8
-PYTHONPATH=/tmp/before python /work/main/tests/make_golden.py /work/main/tests/data/golden.npz`.
+To regenerate, run the maker with that commit's gradcomm, from a worktree of it (the maker
+writes the file it is given): `git worktree add ../before 2e9d998`, then from the worktree
+`JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. python CHECKOUT/tests/make_golden.py
+CHECKOUT/tests/data/golden.npz`, CHECKOUT being this checkout.
 """
 
 from __future__ import annotations

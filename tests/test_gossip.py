@@ -190,11 +190,14 @@ def test_state_errors_and_arguments():
     for kwargs, match in [
         ({"topology": "star"}, "unknown topology"),
         ({"overlap": -1}, "overlap"),
-        ({"allreduce_steps": -2}, "allreduce_steps"),
+        ({"allreduce_steps": -2}, "allreduce_steps must be a non-negative int, got -2"),
+        ({"allreduce_steps": True}, "allreduce_steps must be a non-negative int"),
+        ({"allreduce_steps": 1.5}, "allreduce_steps must be a non-negative int"),
         ({"topology": 3}, "topology"),
     ]:
         with pytest.raises(ValueError, match=match):
             gradcomm.sgp("data", **kwargs)
+    gradcomm.sgp("data", allreduce_steps=np.int64(2))  # any int, as every int argument
     tx = gradcomm.sgp("data", overlap=2)
     state = tx.init({"w": jnp.ones(3)})
     assert [[x.shape for x in slot] for slot in state.in_flight] == [[(3,)], [(3,)]]  # packed

@@ -23,6 +23,7 @@ def test_study_runs_and_writes_json_png_and_markdown(tmp_path):
     assert {"config", "provenance", "runs", "rows", "verdict"} <= set(study)
     check_provenance(study["provenance"], devices=2, seeds=[0])
     assert study["config"]["lr"] == 0.2 and study["config"]["devices"] == 2
+    assert study["config"]["split_seed"] == 0 and "seed" not in study["config"]
 
     runs, rows = study["runs"], study["rows"]
     names = ["allreduce", "powersgd rank 1", "powersgd rank 2"]
@@ -60,6 +61,8 @@ def test_help_shows_defaults(monkeypatch, capsys):
     for default in ("1,2,4", "0,1,2,3,4", "0.2", "cosine", "20", "16"):
         assert f"(default: {default})" in shown, default
     assert "python experiments/powersgd_rank.py" in shown and "--quiet" in shown
+    # One seed option: --seeds, the studies' convention (compare.py's single run takes --seed).
+    assert "--seeds SEEDS" in shown and "--seed " not in shown and "--seed=" not in shown
 
 
 @pytest.mark.parametrize(

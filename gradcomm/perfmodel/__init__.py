@@ -10,9 +10,10 @@ or, for 1-overlap SGP, the step. `predict` gives one step's time, `crossover_ban
 `crossover_table` the link below which each method beats allreduce (for the rows its caller
 hands it: the model names gradcomm's factories, not a study's methods), `calibrate` and
 `fit_report` fit the model to `experiments/bench_network.py`'s records, and `paper_checks`
-sets five papers' figures beside the model's. Units: bandwidth in Gbit/s, latency and
-times in seconds, model size in parameters. `python -m gradcomm.perfmodel network.json`
-prints the fit, the crossovers and the papers; docs/bench/model.md explains the model.
+sets the figures of the Adasum, LAGS-SGD, TernGrad, SGP and gradient dropping papers
+beside the model's. Units: bandwidth in Gbit/s, latency and times in seconds, model size
+in parameters. `python -m gradcomm.perfmodel network.json` prints the fit, the crossovers
+and the papers; docs/bench/model.md explains the model.
 
 Example:
   >>> from gradcomm import perfmodel
