@@ -83,8 +83,8 @@ def adasum_reduce(
         or one axis of size 2. "auto": "pairwise" where the axes allow it on CPU devices
         in several processes (gloo, which runs a swapping `ppermute` at half speed),
         "permute" elsewhere (GPU, TPU, one process). gloo's reduce-scatter costs more CPU
-        than a swap: on links faster than a few Gbit/s "permute" steps faster (README,
-        "Does it save time?"). The result is the same bits.
+        than a swap: on links faster than a few Gbit/s "permute" steps faster
+        (docs/site/guide/network.md). The result is the same bits.
 
     Returns:
       A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree

@@ -32,6 +32,9 @@ API_PAGES = ["parallel", "wire", "sparse", "perfmodel"]
 # The files the guide may quote figures from.
 QUOTED = [
     "README.md",
+    "docs/site/guide/reproducing.md",
+    "docs/site/guide/network.md",
+    "docs/site/guide/costs.md",
     "docs/results.md",
     "docs/results/compare.md",
     "docs/bench/network.md",

@@ -130,11 +130,14 @@ def test_adasum_reduce_checks_too():
 
 
 def test_readme_loop_without_pcast_raises():
+    """The hand-written shard_map loop (once the README's, now on the Training loops page)
+    raises without its pcast."""
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    page = "docs/site/guide/training.md"
+    text = (pathlib.Path(__file__).parent.parent / page).read_text()
     fix = 'local = jax.lax.pcast(params, "data", to="varying")'
-    [loop] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if fix in b]
+    [loop] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if fix in b]
     with pytest.raises(ValueError, match="already identical"):
-        exec(compile(loop.replace(fix, "local = params"), "README.md", "exec"), {})
+        exec(compile(loop.replace(fix, "local = params"), page, "exec"), {})
