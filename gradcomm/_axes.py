@@ -48,16 +48,51 @@ def check_disjoint(first: AxisName, second: AxisName, first_arg: str, second_arg
         )
 
 
+def bound_axes() -> tuple[Any, ...]:
+    """The axis names bound where this runs, outermost first: the mesh axes that an
+    enclosing `jax.shard_map` maps over, and the axes of an enclosing `jax.pmap` or named
+    `jax.vmap`; empty outside them. For error messages."""
+    try:  # JAX's axis environment: shard_map's, pmap's and vmap's axes alike
+        from jax.extend.core import unsafe_get_axis_names_DO_NOT_USE as env_names
+
+        bound = list(env_names())
+    except (ImportError, AttributeError):  # gone from a later JAX: shard_map's axes still say
+        bound = []
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return tuple(dict.fromkeys([*manual, *bound]))
+
+
+def unbound_error(axis_name: AxisName) -> ValueError:
+    """The error for a named axis that is not bound here, naming the axes that are."""
+    bound = bound_axes()
+    missing = [n for n in axis_names(axis_name) if n not in bound] or list(axis_names(axis_name))
+    what = f"axis {missing[0]!r}" + (f" of {axis_name!r}" if missing[0] != axis_name else "")
+    if not bound:
+        return ValueError(
+            f"{what} is not bound here, and no axis is: call gradcomm transformations inside "
+            f"jax.shard_map, jax.pmap or a named jax.vmap over a mesh axis named "
+            f"{missing[0]!r} (as parallel.train_step and parallel.init_state do)"
+        )
+    unmapped = set(missing) & set(jax.sharding.get_abstract_mesh().axis_names)
+    note = (
+        f" (the mesh's axes {sorted(unmapped)} are not mapped by this shard_map)"
+        if unmapped
+        else ""
+    )
+    example = f"for example gradcomm.allreduce({bound[0]!r})" if len(bound) == 1 else "one of those"
+    return ValueError(
+        f"{what} is not bound here; the axes bound here are {bound}{note}. Pass the mesh's "
+        f"data axis name to the gradcomm method's factory ({example}), or map over an axis "
+        f"named {missing[0]!r}"
+    )
+
+
 def axis_size(axis_name: AxisName) -> int:
     """Static size of a bound named axis, with a clear error when it is not bound."""
     try:
         return int(lax.axis_size(axis_name))
-    except NameError as e:
-        raise ValueError(
-            f"axis {axis_name!r} is not bound here: call gradcomm transformations inside "
-            f"jax.shard_map, jax.pmap or jax.vmap over a mesh axis named {axis_name!r} "
-            f"({e})"
-        ) from None
+    except NameError:
+        raise unbound_error(axis_name) from None
 
 
 def axis_index(axis_name: AxisName) -> jax.Array:

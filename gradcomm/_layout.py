@@ -55,15 +55,60 @@ RELAY_HINT = (
 )
 
 
+def _misfit(
+    shapes: Sequence[tuple[int, ...]], flags: Sequence[bool], local: Any, n: int
+) -> int | None:
+    """The first state leaf (by index) not laid out for one device's state `local`: a
+    per-device leaf has shape `(n, *local)`, a replicated one `local`. -1 where the trees
+    differ (or `local` is None); None where every leaf fits."""
+    wants = [tuple(np.shape(x)) for x in jax.tree.leaves(local)]
+    if local is None or len(wants) != len(shapes):
+        return -1
+    for i, (shape, want, per_device) in enumerate(zip(shapes, wants, flags, strict=True)):
+        if shape != ((n, *want) if per_device else want):
+            return i
+    return None
+
+
 def check_state_layout(
-    state: Any, flags: Sequence[bool], local: Any, n: int, names: tuple[str, ...]
+    state: Any,
+    flags: Sequence[bool],
+    local: Any,
+    n: int,
+    names: tuple[str, ...],
+    params_per_device: bool,
+    other: Callable[[], Any],
 ) -> None:
     """Raises for state leaves whose device axis does not fit the mesh (see `TrainStep`).
 
     `local` holds one device's state shapes (`tx.init`'s): a per-device leaf must have
-    shape `(n, *local)`, a replicated one `local`.
+    shape `(n, *local)`, a replicated one `local`. `other()` returns them for the other
+    value of `params_per_device` (None where these params rule it out); it is called only
+    where a state placed on the mesh does not fit `local`, and a state that fits it instead
+    was laid out for that value: the error names the flag. (A state of host arrays is a
+    checkpoint restored without its shardings: the checks below report it.)
     """
     leaves = jax.tree_util.tree_leaves_with_path(state)
+    shapes = [tuple(np.shape(x)) for _, x in leaves]
+    placed = all(isinstance(getattr(x, "sharding", None), NamedSharding) for _, x in leaves)
+    misfit = _misfit(shapes, flags, local, n) if placed else None
+    if misfit is not None and _misfit(shapes, flags, other(), n) is None:
+        detail = ""
+        if misfit >= 0:
+            path, x = leaves[misfit]
+            want = tuple(np.shape(jax.tree.leaves(local)[misfit]))
+            detail = (
+                f" (state leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{np.shape(x)}; laid out for params_per_device={params_per_device} it would "
+                f"have shape {(n, *want) if flags[misfit] else want})"
+            )
+        raise ValueError(
+            f"this state was laid out for params_per_device={not params_per_device}, but "
+            f"the step was built with params_per_device={params_per_device}{detail}: "
+            f"rebuild the state with `parallel.init_state(tx, params, mesh, "
+            f"params_per_device={params_per_device})` from the params that the step takes, "
+            f"or build the step with params_per_device={not params_per_device}, as the state was"
+        )
     local_leaves = jax.tree.leaves(local)
     if len(local_leaves) != len(leaves):
         return  # not this transformation's state: its update reports the mismatch
@@ -85,6 +130,14 @@ def check_state_layout(
                 f"`jax.tree.map(orbax.checkpoint.utils.to_shape_dtype_struct, state)` as "
                 f"the restore target)"
             )
+
+
+# Where an FSDP-split param holds one row per device: per-device copies (`per_device`
+# places them split over the data axes) passed without params_per_device=True read as FSDP.
+PER_DEVICE_HINT = (
+    " If the params are per-device copies (`parallel.per_device`), build the state and the "
+    "step with params_per_device=True."
+)
 
 
 def _is_spec(x: Any) -> bool:
@@ -276,11 +329,14 @@ def layout(
             except (TypeError, ValueError) as e:
                 if not any(fsdp):
                     raise
+                leaves = jax.tree.leaves(params)
+                rows = any(f and np.shape(x)[:1] == (1,) for x, f in zip(leaves, fsdp, strict=True))
+                hint = PER_DEVICE_HINT if rows else ""  # one row per device: per-device copies?
                 raise ValueError(
                     f"with params split over the data axes {names} (FSDP), the "
                     f"transformation gets each param's whole gradient and must return this "
                     f"device's shard of it; this one failed to ({e}). The gradcomm methods "
-                    f"that reduce-scatter take the params' specs: allreduce(specs=...)"
+                    f"that reduce-scatter take the params' specs: allreduce(specs=...).{hint}"
                 ) from e
             paths = jax.tree_util.tree_leaves_with_path(new_state)
             for (path, x), model in zip(paths, state_models, strict=True):
@@ -387,7 +443,10 @@ def init_state(
     names = data_axes(mesh, axes)
     spec = device_spec(mesh, names)
     if params_per_device:
-        hint = "place one copy per device with `parallel.per_device(params, mesh)`"
+        hint = (
+            "place one copy per device with `parallel.per_device(params, mesh)`, or pass "
+            "replicated params with params_per_device=False"
+        )
         check_copies(params, num_shards(mesh, names), "param", hint)
     models = model_specs(params, mesh, names, params_per_device)
     param_spec = with_device_axis(models, spec if params_per_device else None)
@@ -419,6 +478,8 @@ def check_update_shapes(updates: Any, params: Any, fsdp: Sequence[bool]) -> None
                 if split
                 else ""
             )
+            if split and np.shape(p)[:1] == (1,):
+                how += PER_DEVICE_HINT
             raise ValueError(
                 f"the update of param {jax.tree_util.keystr(path)} has shape {np.shape(u)}, "
                 f"but the param here has shape {np.shape(p)}.{how}"

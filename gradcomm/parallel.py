@@ -99,7 +99,8 @@ class TrainStep:
     `init_state` (or restored from a checkpoint with its shardings); host inputs are placed
     on the mesh first. A replicated state leaf restores onto a mesh of any size; a
     per-device one (and per-device params) only onto as many data-parallel devices as
-    made it: other counts raise a `ValueError` that says what to do.
+    made it: other counts raise a `ValueError` that says what to do, as does a state laid
+    out for the other value of `params_per_device` where its shapes tell.
     `step.lower(params, state, batch)` lowers it, which is what
     `gradcomm.wire.measure(step, params, state, batch)` uses.
     """
@@ -184,6 +185,20 @@ class TrainStep:
             self._shapes[key] = (jax.eval_shape(self._tx.init, shapes), state_models)
         return self._shapes[key]
 
+    def _other_state_shapes(self, params: Any, state: Any) -> Any:
+        """One device's state shapes had the state been laid out for the other value of
+        `params_per_device` from these params: None unless they hold one copy per device
+        (which per-device params must, and replicated ones read as per-device must too)."""
+        if any(np.shape(x)[:1] != (self._num_shards,) for x in jax.tree.leaves(params)):
+            return None  # with params_per_device=True, `_place` reports the missing copies
+        try:
+            shapes = jax.eval_shape(
+                self._tx.init, local_shapes(params, not self._params_per_device)
+            )
+        except (TypeError, ValueError):
+            return None
+        return TrainState(shapes, state.sync) if self._sync else shapes
+
     def _jitted(self, params: Any, state: Any) -> Any:
         if isinstance(state, TrainState) != bool(self._sync):
             raise ValueError(
@@ -217,7 +232,15 @@ class TrainStep:
             ]
             key = (jax.tree.structure(state), tuple(flags), shapes, split)
         if key not in self._compiled:
-            check_state_layout(state, flags, local, self._num_shards, self._names)
+            check_state_layout(
+                state,
+                flags,
+                local,
+                self._num_shards,
+                self._names,
+                self._params_per_device,
+                lambda: self._other_state_shapes(params, state),
+            )
             specs = state_specs(state, flags, self._spec, state_models)
             mapped = jax.shard_map(
                 self._body(flags, fsdp_leaves(models, self._names)),
@@ -233,7 +256,8 @@ class TrainStep:
             hint = (
                 "per-device params carry one copy per device (`parallel.per_device(params, "
                 "mesh)`); to move them to another number of devices, pick one copy "
-                "(`parallel.host_copy(params, per_device=True)`) and place it again"
+                "(`parallel.host_copy(params, per_device=True)`) and place it again; "
+                "replicated params take a step (and a state) built with params_per_device=False"
             )
             check_copies(params, self._num_shards, "param", hint)
         _, specs = self._param_specs(params)

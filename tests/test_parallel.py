@@ -166,3 +166,83 @@ def test_the_transformation_sees_each_devices_own_gradient():
     for leaf in ("w", "b"):
         expected = -reference.adasum([np.asarray(g[leaf], np.float64) for g in grads])
         np.testing.assert_allclose(new[leaf], expected, rtol=1e-5, atol=1e-6)
+
+
+def norm_loss(params, batch):
+    """A loss that takes params of any shape: per-device copies read as replicated or FSDP."""
+    return sum(jnp.sum(x**2) for x in jax.tree.leaves(params)) * jnp.mean(batch)
+
+
+def test_state_laid_out_for_the_other_params_per_device_raises():
+    """A state built with one params_per_device and stepped with the other names the flag.
+
+    Per-device copies given as host arrays read as replicated params whose leading axis is
+    the device axis: without the flag, Adam's moments come out (4, 4, 3), not (4, 3).
+    """
+    mesh = mesh_of(4)
+    tx = optax.chain(optax.adam(0.1), gradcomm.sgp("data"))
+    copies = parallel.per_device({"w": np.ones(3, np.float32)}, mesh)
+    host = jax.tree.map(np.asarray, copies)
+    batch = np.ones(8, np.float32)
+    built_without = parallel.init_state(tx, host, mesh)
+    assert built_without[0][0].mu["w"].shape == (4, 4, 3)
+    step = parallel.train_step(norm_loss, tx, mesh, params_per_device=True)
+    fix = r"init_state\(tx, params, mesh, params_per_device=True\)"
+    with pytest.raises(ValueError, match=rf"laid out for params_per_device=False.*{fix}"):
+        step(copies, built_without, batch)
+    built_with = parallel.init_state(tx, copies, mesh, params_per_device=True)
+    step(copies, built_with, batch)  # the state the step takes
+    fix = r"init_state\(tx, params, mesh, params_per_device=False\)"
+    with pytest.raises(ValueError, match=rf"laid out for params_per_device=True.*{fix}"):
+        parallel.train_step(norm_loss, tx, mesh)(host, built_with, batch)
+
+
+def test_per_device_copies_without_the_flag_name_it():
+    """Placed per-device copies read as FSDP-split params without params_per_device=True;
+    where a method cannot take them so, the error says which flag they need. Replicated
+    params given to a per-device init say the flag's other value."""
+    mesh = mesh_of(4)
+    copies = parallel.per_device({"w": np.ones(3, np.float32)}, mesh)
+    tx = optax.chain(optax.adam(0.1), gradcomm.sgp("data"))
+    state = parallel.init_state(tx, copies, mesh, params_per_device=True)
+    step = parallel.train_step(norm_loss, tx, mesh)
+    with pytest.raises(ValueError, match=r"per-device copies .* params_per_device=True"):
+        step(copies, state, np.ones(8, np.float32))
+    with pytest.raises(ValueError, match=r"per-device copies .* params_per_device=True"):
+        parallel.init_state(gradcomm.powersgd("data"), copies, mesh)
+    with pytest.raises(ValueError, match="replicated params with params_per_device=False"):
+        parallel.init_state(tx, {"w": np.ones(3, np.float32)}, mesh, params_per_device=True)
+
+
+def test_an_unbound_axis_names_the_bound_ones():
+    """A method whose axis name the map does not bind says which axes are bound."""
+    mesh = mesh_of(2)
+    params = {"w": np.zeros(3, np.float32)}
+    tx = gradcomm.allreduce("batch")
+    step = parallel.train_step(norm_loss, tx, mesh, axes="data")
+    bound = r"axis 'batch' is not bound here; the axes bound here are \('data',\)"
+    factory = r"data axis name to the gradcomm method's factory"
+    with pytest.raises(ValueError, match=rf"{bound}.*{factory}"):
+        step(parallel.replicate(params, mesh), tx.init(params), np.ones(4, np.float32))
+    with pytest.raises(ValueError, match=bound):
+        parallel.init_state(tx, params, mesh)
+
+    def update(g):
+        return tx.update(g, tx.init(g))[0]
+
+    with pytest.raises(ValueError, match=r"the axes bound here are \('v',\)"):
+        jax.vmap(update, axis_name="v")(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"the axes bound here are \('p',\)"):
+        jax.pmap(update, axis_name="p", devices=jax.devices()[:2])(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="not bound here, and no axis is"):
+        update(jnp.ones(3))
+    # A shard_map over some mesh axes: the others are named as not mapped.
+    model = gradcomm.allreduce("model")
+    two = parallel.make_mesh({"data": 2, "model": 2}, devices=jax.devices()[:4])
+    mapped = jax.shard_map(
+        jax.vmap(lambda g: model.update(g, model.init(g))[0], axis_name="v"), mesh=two,
+        in_specs=P("data"), out_specs=P("data"), axis_names={"data"},
+    )  # fmt: skip
+    x = jax.device_put(jnp.ones((2, 2, 3)), jax.NamedSharding(two, P("data")))
+    with pytest.raises(ValueError, match=r"bound here are \('data', 'v'\) .*\['model'\]"):
+        jax.jit(mapped)(x)
