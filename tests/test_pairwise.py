@@ -236,7 +236,7 @@ def test_adasum_pairwise_on_one_device_is_the_identity():
     assert wire.analyze_hlo(text).total == 0
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", [2, 8])  # one pair; three levels of pairs (4 adds nothing new)
 def test_adasum_pairwise_is_bit_identical_with_the_same_bytes_and_no_ppermute(n):
     tree = hard_tree(n)
     expected, permute_text = run(adasum_fn("permute"), n, False, tree, out_replicated=True)
@@ -364,7 +364,7 @@ GOSSIP = [
 ]
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize(("method", "kwargs"), GOSSIP)
 def test_gossip_pairwise_is_bit_identical_over_every_phase_with_the_same_bytes(n, method, kwargs):
     rng = np.random.default_rng(n)

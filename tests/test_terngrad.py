@@ -56,7 +56,7 @@ def every_wire_mode(tree, count):
     return {mode: update_fn(mode)(tree, count) for mode in WIRE_MODES}
 
 
-@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])  # one device, pairs, odd counts, a full byte
 def test_wire_modes_agree_bit_for_bit_and_devices_agree(n):
     tree = mixed_tree(np.random.default_rng(n), n)
     outs = per_device(every_wire_mode, n, tree, np.zeros(n, np.int32))
@@ -377,7 +377,7 @@ def fsdp_tree(n, seed=0):
     return {k: v.astype(FSDP_SHAPES[k][1]) for k, v in tree.items()}
 
 
-@pytest.mark.parametrize("n", [3, 8])  # 2 and 4: the train_step and wire tests below
+@pytest.mark.parametrize("n", [3])  # 2, 4 and 8: the train_step and wire tests below
 def test_fsdp_shard_is_the_slice_of_the_whole_mean(n):
     """Device j gets rows [j r, (j + 1) r) of what it gets without specs, bit for bit on
     every wire (the same seed draws the same codes), in float32, bfloat16 and float16; the
