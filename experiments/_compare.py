@@ -19,18 +19,25 @@ import gradcomm
 from gradcomm import parallel
 
 
-def main(doc: str | None, argv: Sequence[str] | None, name: str, *, methods: str) -> None:
-    """A script's main: its flags (`--method` defaulting to `methods`), then `run_methods`."""
+def main(
+    doc: str | None, argv: Sequence[str] | None, name: str, *, methods: str, seeds: bool = False
+) -> None:
+    """A script's main: its flags (`--method` defaulting to `methods`; `--seeds` with
+    `seeds`, else `--seed`), then `run_methods`."""
     stamp = _provenance.start(argv)
     parser = _cli.make_parser(doc)
-    add_training_args(parser, methods=methods)
+    add_training_args(parser, methods=methods, seeds=seeds)
     parser.set_defaults(out=f"runs/{name}")
     args = _runtime.parse_args(parser, argv, check_training_args)
     run_methods(args, name, stamp)
 
 
-def add_training_args(parser: argparse.ArgumentParser, *, methods: str) -> None:
-    """The flags of a classification run over several methods (default: `methods`)."""
+def add_training_args(
+    parser: argparse.ArgumentParser, *, methods: str, seeds: bool = False
+) -> None:
+    """The flags of a classification run over several methods (default: `methods`): with
+    `seeds`, `--seeds` (each method runs once per seed, as the studies spell it), else one
+    `--seed`."""
     parser.add_argument(
         "--method",
         default=methods,
@@ -43,9 +50,9 @@ def add_training_args(parser: argparse.ArgumentParser, *, methods: str) -> None:
     parser.add_argument(
         "--schedule", default="cosine", choices=("cosine", "constant"), help="cosine decays to 0"
     )
-    _runtime.add_schedule_args(parser, epochs=30, batch_size=16)
+    _runtime.add_schedule_args(parser, epochs=30, batch_size=16, seeds=seeds)
     parser.add_argument("--density", type=float, default=0.01, help="k/d for lags and slgs")
-    _runtime.add_common_args(parser)
+    _runtime.add_common_args(parser, seed=not seeds)
 
 
 def check_training_args(args: argparse.Namespace) -> None:
@@ -69,48 +76,67 @@ def configured(name: str, args: argparse.Namespace) -> _methods.Spec:
 def run_methods(
     args: argparse.Namespace, name: str, stamp: _provenance.Stamp
 ) -> list[_loop.RunResult]:
-    """Trains the small CNN with each of `args.method`, the same data order and optimizer.
+    """Trains the small CNN with each of `args.method`, once per seed (`--seeds`, or the one
+    `--seed`): in each seed every method gets the same data split (digits is split with the
+    seed), initial params, data order and optimizer.
 
-    Writes `name`.json (with the provenance of `stamp`), `name`.png (loss and accuracy),
-    `name`_bytes.png (accuracy against bytes, the Pareto front marked) and `name`.md to
-    `args.out` (from process 0).
+    Writes `name`.json (every run with its seed, each method's summary over the seeds, the
+    Pareto front of the means, and the provenance of `stamp`), `name`.png (loss and
+    accuracy), `name`_bytes.png (accuracy against bytes, the Pareto front marked) and
+    `name`.md to `args.out` (from process 0). Returns the runs, seed by seed.
     """
     names = _methods.parse(args.method)
+    seeds = _runtime.seed_list(args) if hasattr(args, "seeds") else [args.seed]
     devices = _runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
-    data = _data.load_dataset(args.dataset, args.data_dir, args.seed)
-    task = _tasks.classification_task(_tasks.small_cnn(data.num_classes), data)
     main = _runtime.is_main_process()
-    if main:
-        print(
-            f"gradcomm {gradcomm.__version__}: {_runtime.describe(devices)}; "
-            f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test"
-        )
-    steps = args.epochs * len(task.batches(len(devices) * args.batch_size, args.seed, 0))
-    results = []
-    for method in names:
-        inner = _methods.optimizer(args.optimizer, args.lr, steps, args.schedule)
-        spec = configured(method, args)
-        result = _loop.train_as_flagged(args, _methods.build(spec, inner), task, mesh)
-        results.append(result)
-        if main:
+    results, run_seeds = [], []
+    for seed in seeds:
+        data = _data.load_dataset(args.dataset, args.data_dir, seed)
+        task = _tasks.classification_task(_tasks.small_cnn(data.num_classes), data)
+        if main and seed == seeds[0]:
             print(
-                f"{method:>14}: test accuracy {100 * result.test_accuracy:.2f}% "
-                f"in {result.wall_seconds:.1f}s"
+                f"gradcomm {gradcomm.__version__}: {_runtime.describe(devices)}; "
+                f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test; "
+                f"{_report.count(len(seeds), 'seed')}"
             )
+        steps = args.epochs * len(task.batches(len(devices) * args.batch_size, seed, 0))
+        for method in names:
+            inner = _methods.optimizer(args.optimizer, args.lr, steps, args.schedule)
+            spec = configured(method, args)
+            built = _methods.build(spec, inner)
+            result = _loop.train_as_flagged(args, built, task, mesh, seed=seed)
+            results.append(result)
+            run_seeds.append(seed)
+            if main:
+                print(
+                    f"seed {seed} {method:>14}: test accuracy "
+                    f"{100 * result.test_accuracy:.2f}% in {result.wall_seconds:.1f}s"
+                )
     if main:
-        on_front = sorted(_report.pareto_front(_points(results)), key=lambda i: _points(results)[i])
-        front = [results[i].method for i in on_front]  # from the fewest bytes
+        summary = _report.summarize(results)
+        means = [(s["bytes_per_step"], s["test_accuracy"]["mean"]) for s in summary]
+        on_front = sorted(_report.pareto_front(means), key=means.__getitem__)
+        front = [summary[i]["method"] for i in on_front]  # from the fewest bytes
         table = _report.results_table(results)
+        image = 100 / len(data.x_test)
+        if len(seeds) > 1:
+            split = "split of digits, " if data.name == "digits" else ""
+            table += (
+                f"\n\nAccuracy and loss: the mean (min-max) over seeds "
+                f"{', '.join(map(str, seeds))}. Each seed draws its own {split}initial model "
+                f"and batch order, the same for every method. One test image is {image:.2f} "
+                "points of accuracy."
+            )
         if any(r.bytes_per_step for r in results):
             table += (
-                "\n\nPareto front (no other method sends fewer bytes with at least its "
-                f"accuracy, or as few with more): {', '.join(front)}."
+                "\n\nPareto front of the mean accuracies (no other method sends fewer bytes "
+                f"with at least its accuracy, or as few with more): {', '.join(front)}."
             )
         setting = (
             f"{data.name}, small CNN, {_report.count(len(devices), 'device')}, "
             f"{args.optimizer} (lr {args.lr:g}, {args.schedule}), "
-            f"{_report.count(args.epochs, 'epoch')}"
+            f"{_report.count(args.epochs, 'epoch')}, {_report.count(len(seeds), 'seed')}"
         )
         config = {**vars(args), "devices": len(devices), "processes": jax.process_count()}
         path = _report.write_study(
@@ -120,8 +146,8 @@ def run_methods(
             results,
             table,
             lambda fig: _report.plot_runs(results, fig),
-            {"pareto_front": front},
-            provenance=stamp.record(devices, seeds=[args.seed]),
+            {"seeds": seeds, "summary": summary, "pareto_front": front},
+            provenance=stamp.record(devices, seeds=seeds),
             title=f"Every method on the same task: {setting}",
             figures={
                 f"{name}_bytes": (
@@ -129,10 +155,7 @@ def run_methods(
                     lambda fig: _report.plot_bytes(results, fig),
                 )
             },
+            run_seeds=run_seeds,
         )
         print(f"\n{table}\n\nwrote {path}/{name}.json, {name}.png, {name}_bytes.png, {name}.md")
     return results
-
-
-def _points(results: Sequence[_loop.RunResult]) -> list[tuple[float, float]]:
-    return [(r.bytes_per_step, r.test_accuracy) for r in results]
