@@ -322,7 +322,6 @@ AWAITING_A_CLEAN_RERUN = {
     "docs/bench/low_precision/network.json",
     "docs/bench/peer/network.json",
     "docs/bench/peer/patterns.json",
-    "docs/results/compare.json",
     "docs/results/powersgd_rank.json",
 }
 

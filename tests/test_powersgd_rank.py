@@ -61,7 +61,7 @@ def test_help_shows_defaults(monkeypatch, capsys):
     for default in ("1,2,4", "0,1,2,3,4", "0.2", "cosine", "20", "16"):
         assert f"(default: {default})" in shown, default
     assert "python experiments/powersgd_rank.py" in shown and "--quiet" in shown
-    # One seed option: --seeds, the studies' convention (compare.py's single run takes --seed).
+    # One seed option: --seeds, the studies' convention (train.py's single run takes --seed).
     assert "--seeds SEEDS" in shown and "--seed " not in shown and "--seed=" not in shown
 
 
