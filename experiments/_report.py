@@ -164,6 +164,11 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
             "per_seed": v.tolist()}  # fmt: skip
 
 
+def mean_range(mean: float, low: float, high: float, digits: int, unit: str = "") -> str:
+    """A table cell: `mean` and, in brackets, the range over seeds, "98.24% (97.50-98.61)"."""
+    return f"{mean:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
+
+
 def summarize(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     """Per method, over its runs (seeds, in the order they ran): test accuracy and final loss
     (`spread`: mean, min, max, each seed's), bytes per step (the same every seed: read from
@@ -341,11 +346,15 @@ def results_table(results: Sequence[RunResult], baseline: str = "allreduce") -> 
     for s in summary:
         acc, final, sent = s["test_accuracy"], s["final_loss"], s["bytes_per_step"]
         many = len(acc["per_seed"]) > 1
-        acc_cell = f"{100 * acc['mean']:.2f}%" + (
-            f" ({100 * acc['min']:.2f}-{100 * acc['max']:.2f})" if many else ""
+        acc_cell = (
+            mean_range(100 * acc["mean"], 100 * acc["min"], 100 * acc["max"], 2, "%")
+            if many
+            else f"{100 * acc['mean']:.2f}%"
         )
-        loss_cell = f"{final['mean']:.4f}" + (
-            f" ({final['min']:.4f}-{final['max']:.4f})" if many else ""
+        loss_cell = (
+            mean_range(final["mean"], final["min"], final["max"], 4)
+            if many
+            else f"{final['mean']:.4f}"
         )
         vs = f"{sent / base['bytes_per_step']:.3f}" if base["bytes_per_step"] else "-"
         time = s["step_seconds"] / base["step_seconds"]

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             cells = []
             for name in ("allreduce", "adasum"):
                 acc = 100 * np.array([a for _, m, k, a, _ in rows if m == n and k == name])
-                cells.append(f"{acc.mean():.2f}% ({acc.min():.2f}-{acc.max():.2f})")
+                cells.append(_report.mean_range(acc.mean(), acc.min(), acc.max(), 2, "%"))
             steps = next(s for _, m, _, _, s in rows if m == n)
             table.append(f"| {n} | {n * args.batch_size} | {steps} | {cells[0]} | {cells[1]} |")
         table = "\n".join(table)

@@ -240,7 +240,7 @@ def summary_table(
                 if None not in reached
                 else f"{reached.count(None)} of {len(runs)} not in {steps} steps"
             )
-            cells.append(f"{acc.mean():.2f}% ({acc.min():.2f}-{acc.max():.2f}); {when}")
+            cells.append(_report.mean_range(acc.mean(), acc.min(), acc.max(), 2, "%") + f"; {when}")
         lines.append(f"| {model_name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(

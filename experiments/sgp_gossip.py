@@ -135,7 +135,8 @@ def _table(names: list[str], results: list, num_seeds: int, last_quarter: int) -
         d = rs[0].probes.get("deviation")
         last = [v for s, v in zip(rs[0].probe_steps, d or [], strict=False) if s >= last_quarter]
         rows.append(
-            f"| {name} | {acc.mean():.2f}% ({acc.min():.2f}-{acc.max():.2f}) | {loss:.4f} "
+            f"| {name} | {_report.mean_range(acc.mean(), acc.min(), acc.max(), 2, '%')} "
+            f"| {loss:.4f} "
             f"| {rs[0].bytes_per_step:,.0f} "
             f"| {f'{rs[0].bytes_per_step / base_bytes:.3f}' if base_bytes else '-'} "
             f"| {time:.2f}x | " + (f"{np.mean(last):.2e} |" if last else "- |")

@@ -61,8 +61,10 @@ def _misfit(
     """The first state leaf (by index) not laid out for one device's state `local`: a
     per-device leaf has shape `(n, *local)`, a replicated one `local`. -1 where the trees
     differ (or `local` is None); None where every leaf fits."""
+    if local is None:
+        return -1
     wants = [tuple(np.shape(x)) for x in jax.tree.leaves(local)]
-    if local is None or len(wants) != len(shapes):
+    if len(wants) != len(shapes):
         return -1
     for i, (shape, want, per_device) in enumerate(zip(shapes, wants, flags, strict=True)):
         if shape != ((n, *want) if per_device else want):
@@ -132,12 +134,16 @@ def check_state_layout(
             )
 
 
-# Where an FSDP-split param holds one row per device: per-device copies (`per_device`
-# places them split over the data axes) passed without params_per_device=True read as FSDP.
-PER_DEVICE_HINT = (
-    " If the params are per-device copies (`parallel.per_device`), build the state and the "
-    "step with params_per_device=True."
-)
+def _per_device_hint(shards: Sequence[tuple[int, ...]]) -> str:
+    """A hint for FSDP-split params whose shards (this device's shapes) hold one row each:
+    per-device copies (`per_device` places them split over the data axes) passed without
+    params_per_device=True read as FSDP. Empty where no shard has a single row."""
+    if not any(shape[:1] == (1,) for shape in shards):
+        return ""
+    return (
+        " If the params are per-device copies (`parallel.per_device`), build the state and "
+        "the step with params_per_device=True."
+    )
 
 
 def _is_spec(x: Any) -> bool:
@@ -330,8 +336,9 @@ def layout(
                 if not any(fsdp):
                     raise
                 leaves = jax.tree.leaves(params)
-                rows = any(f and np.shape(x)[:1] == (1,) for x, f in zip(leaves, fsdp, strict=True))
-                hint = PER_DEVICE_HINT if rows else ""  # one row per device: per-device copies?
+                hint = _per_device_hint(
+                    [np.shape(x) for x, f in zip(leaves, fsdp, strict=True) if f]
+                )
                 raise ValueError(
                     f"with params split over the data axes {names} (FSDP), the "
                     f"transformation gets each param's whole gradient and must return this "
@@ -478,8 +485,8 @@ def check_update_shapes(updates: Any, params: Any, fsdp: Sequence[bool]) -> None
                 if split
                 else ""
             )
-            if split and np.shape(p)[:1] == (1,):
-                how += PER_DEVICE_HINT
+            if split:
+                how += _per_device_hint([np.shape(p)])
             raise ValueError(
                 f"the update of param {jax.tree_util.keystr(path)} has shape {np.shape(u)}, "
                 f"but the param here has shape {np.shape(p)}.{how}"

@@ -309,20 +309,20 @@ def powersgd(
     holds its rows of P, `orthogonalize` sums its dot products over the split axes, and
     `Q = pmean(psum(M^T P))`. Where its columns (the last dimension) are split, `P =
     pmean(psum(M Q))` over them, each device computes the rows of Q for its columns, and
-    a psum over the split axes puts the whole Q together. A factor summed over the split
+    an all-gather over the split axes puts the whole Q together. A factor summed over the split
     axes is the same on each of their devices, so each averages only its 1/k of the
     factor's rows over `axis_name` (`psum_scatter` over the split axes, then `pmean`,
     then `all_gather`): per device, a leaf split k ways sends `rank * (m + n) / k`
     numbers over `axis_name`, its share of the unsplit leaf's. Over the model axes: per
     row-split leaf, `5 rank - 2` scalar or `rank`-sized collectives (`orthogonalize`) and
     a reduce-scatter and an all-gather of the `(n, rank)` Q; per column-split one, the
-    same of the `(m, rank)` P and a psum of the `(n, rank)` Q. The shard axes are read from the
-    leaves' types (`shard_map`'s default `check_vma=True`); with `check_vma=False` on a
-    mesh with axes beyond `axis_name`, `init` and `update` raise. Call `init` inside the
-    same `shard_map` on each device's pieces of the params (the specs' axes are then
-    bound, and the whole shapes known), or outside any map on the whole params: either
-    gives the whole Q's, and residuals shaped like the params it sees (split them like
-    the params when the state enters the map).
+    same of the `(m, rank)` P and an all-gather of the `(n, rank)` Q. The shard axes are
+    read from the leaves' types (`shard_map`'s default `check_vma=True`); with
+    `check_vma=False` on a mesh with axes beyond `axis_name`, `init` and `update` raise.
+    Call `init` inside the same `shard_map` on each device's pieces of the params (the
+    specs' axes are then bound, and the whole shapes known), or outside any map on the
+    whole params: either gives the whole Q's, and residuals shaped like the params it
+    sees (split them like the params when the state enters the map).
 
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
@@ -481,12 +481,7 @@ def powersgd(
                 approx = jnp.matmul(p, q.T, precision=_HIGHEST)
                 out[i] = approx.astype(leaves[i].dtype).reshape(leaves[i].shape)
                 new_residuals[i] = sparse.as_residual(m - approx, residuals[i])
-                if splits[i].cols:  # the whole Q, from every device's rows of it
-                    start = _piece_start(splits[i], q.shape[0])
-                    whole = jnp.zeros(old.shape, q.dtype)
-                    q = lax.psum(
-                        lax.dynamic_update_slice_in_dim(whole, q, start, 0), splits[i].cols
-                    )
+                q = _whole(q, splits[i].cols, old.shape[0])  # every device's rows of Q
                 # A zero column of Q would stay zero in every later step: keep the old one.
                 kept = jnp.where(jnp.any(q != 0, axis=0), q, old.astype(q.dtype))
                 kept_qs.append(kept.astype(old.dtype))

@@ -265,6 +265,16 @@ def densify(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
 
 
 @jax.named_scope("exchange")
+def _dense_sent(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
+    """A device's sent pairs as a dense `(size,)` vector in their compute dtype."""
+    return densify(values.astype(_axes.compute_dtype(values.dtype)), indices, size)
+
+
+def _divided(total: jax.Array, divide_by: int | None) -> jax.Array:
+    """`total`, divided by `divide_by` where one is given (a mean)."""
+    return total if divide_by is None else total / divide_by
+
+
 def _gather_pairs(
     sent: list[tuple[jax.Array, jax.Array]], axis_name: _axes.AxisName
 ) -> tuple[jax.Array, jax.Array]:
@@ -340,12 +350,9 @@ def sum_sparse(
     dense_ids = [i for i, dense in enumerate(exceed) if dense]
     sparse_ids = [i for i, dense in enumerate(exceed) if not dense]
     if dense_ids:
-        dense = [
-            densify(sent[i][0].astype(_axes.compute_dtype(sent[i][0].dtype)), sent[i][1], sizes[i])
-            for i in dense_ids
-        ]
+        dense = [_dense_sent(sent[i][0], sent[i][1], sizes[i]) for i in dense_ids]
         for i, total in zip(dense_ids, lax.psum(dense, axis_name), strict=True):
-            out[i] = total if divide_by is None else total / divide_by
+            out[i] = _divided(total, divide_by)
     for group in _flat.dtype_groups([sent[i][0] for i in sparse_ids]):
         ids = [sparse_ids[j] for j in group]
         all_values, all_indices = _gather_pairs([sent[i] for i in ids], axis_name)
@@ -629,7 +636,7 @@ def _sum_with_shards(
     if dense_ids:
         dense = [_local_dense(sent[i], sizes[i]) for i in dense_ids]
         for i, total in zip(dense_ids, lax.psum(dense, axis_name), strict=True):
-            out[i] = total if divide_by is None else total / divide_by
+            out[i] = _divided(total, divide_by)
     for (_, axes), ids in groups.items():
         # Positions are each leaf's own; a leaf's columns map them to its piece, placed
         # in the concatenation of the group's pieces (one decode for the group).
@@ -704,7 +711,7 @@ def sum_sparse_over_shards(
     if sparse_bytes_exceed_dense(whole, entries.shape[0], entries.dtype.itemsize, n):
         dense = [_local_dense(p, size) for p, size in zip(picked, sizes, strict=True)]
         sums = lax.psum(dense, axis_name)
-        return [t if divide_by is None else t / divide_by for t in sums]
+        return [_divided(t, divide_by) for t in sums]
     union = tuple(
         name for name in _shards.other_manual_axes(axis_name) if any(name in a for a in axes)
     )
@@ -1064,25 +1071,14 @@ def _sum_per_shard(
     travel instead (`_all_to_all_in_device_order`, the same bits)."""
     n = _axes.axis_size(axis_name)
     out: list[jax.Array | None] = [None] * len(sent)
-
-    def mean(total: jax.Array) -> jax.Array:
-        return total if divide_by is None else total / divide_by
-
     dense, pairs = [], []
     for i, picked in enumerate(sent):
         c, itemsize = picked.values.shape[0] // n, picked.values.dtype.itemsize
         (dense if c * (itemsize + 4) >= sizes[i] // n * itemsize else pairs).append(i)
     if dense:
-        rows = [
-            densify(
-                sent[i].values.astype(_axes.compute_dtype(sent[i].values.dtype)),
-                sent[i].indices,
-                sizes[i],
-            )
-            for i in dense
-        ]
+        rows = [_dense_sent(sent[i].values, sent[i].indices, sizes[i]) for i in dense]
         for i, total in zip(dense, _all_to_all_in_device_order(rows, axis_name), strict=True):
-            out[i] = mean(total)
+            out[i] = _divided(total, divide_by)
     for group in _flat.dtype_groups([sent[i].values for i in pairs]):
         ids = [pairs[g] for g in group]
         parts = [sizes[i] // n for i in ids]
@@ -1224,20 +1220,16 @@ def sum_scattered(
             pairs.append(i)
 
     def dense(i: int) -> jax.Array:
-        values, indices = sent[i][:2]
-        return densify(values.astype(_axes.compute_dtype(values.dtype)), indices, sizes[i])
-
-    def mean(total: jax.Array) -> jax.Array:
-        return total if divide_by is None else total / divide_by
+        return _dense_sent(*sent[i][:2], sizes[i])
 
     if whole_dense:
         totals = lax.psum([dense(i) for i in whole_dense], axis_name)
         for i, total in zip(whole_dense, totals, strict=True):
-            out[i] = mean(total)
+            out[i] = _divided(total, divide_by)
     for ids, reduce in ((split_dense, reduce_scatter_dense), (rows, _all_to_all_in_device_order)):
         if ids:
             for i, total in zip(ids, reduce([dense(i) for i in ids], axis_name), strict=True):
-                out[i] = mean(total)
+                out[i] = _divided(total, divide_by)
     j = lax.axis_index(axis_name)
     for group in _flat.dtype_groups([sent[i][0] for i in pairs]):
         # One all-gather for the group, whole leaves' columns first; two decodes, so that
