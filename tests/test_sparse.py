@@ -12,7 +12,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import _topk, sparse
+from gradcomm import sparse
+from gradcomm.sparse import _topk
 
 
 def inputs(kind, size, rng):

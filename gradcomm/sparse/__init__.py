@@ -4,7 +4,7 @@ The pieces that every sparse method shares:
 
 * `topk(x, k, selector)`: exactly k (value, index) pairs of largest magnitude from a flat
   array, ties to lower indices, by `lax.top_k` or by a block-sampled threshold refined to
-  the same entries without a sort (`gradcomm._topk`, re-exported here).
+  the same entries without a sort (`gradcomm.sparse._topk`, re-exported here).
 * `sum_sparse(sent, sizes, axis_name)`: one fixed-capacity all-gather of every device's
   (value, index) pairs (values and indices in one byte buffer; never a variable-size
   message), decoded once per dtype in device order (see below); optionally divided by N
@@ -80,7 +80,7 @@ import numpy as np
 from jax import lax
 
 from gradcomm import _axes, _checks, _collectives, _flat, _packing, _shards
-from gradcomm._topk import (
+from gradcomm.sparse._topk import (
     SELECTORS,
     Selector,
     _compact,

@@ -2,7 +2,7 @@
 
 `pair` computes AS(a, b) leaf by leaf on two `(rows, blocks, block)` buffers of a
 `FlatLayout`: one pass for per-leaf dot products and squared norms, a merge over the
-devices that hold slices of the pair (`gradcomm._adasum_rvhdd` supplies them), the
+devices that hold slices of the pair (`gradcomm.adasum._rvhdd` supplies them), the
 coefficients, and a second pass that combines. `gradcomm.adasum` holds the public API
 and the design notes.
 """
@@ -137,7 +137,7 @@ def pair(
       own_is_b: whether `own` is the `b` operand.
       group: None when a and b are whole on this device; else a function from this
         device's stats to those of every device that holds a slice of the pair, in
-        device order, `(members, 5, leaves)` (`gradcomm._adasum_rvhdd.group_stats`).
+        device order, `(members, 5, leaves)` (`gradcomm.adasum._rvhdd.group_stats`).
       halves: return the result's first and second halves of rows as two arrays.
       shards: mesh axes over which the leaves are split (tensor parallelism,
         `gradcomm._shards`): every device of them holds a piece of each leaf, and their

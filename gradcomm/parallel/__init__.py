@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import _axes
-from gradcomm._layout import (
+from gradcomm.parallel._layout import (
     TrainState,
     check_state_layout,
     check_sync,
@@ -55,7 +55,7 @@ from gradcomm._layout import (
     state_specs,
     unstack,
 )
-from gradcomm._placement import (
+from gradcomm.parallel._placement import (
     check_copies,
     data_axes,
     device_spec,

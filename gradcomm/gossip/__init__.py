@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _pushsum, _schedule, wire
+from gradcomm import _axes, _checks, _flat, _schedule, wire
 from gradcomm import topology as topologies
-from gradcomm._pushsum import TopologySpec
+from gradcomm.gossip import _pushsum
+from gradcomm.gossip._pushsum import TopologySpec
 
 
 class SgpState(NamedTuple):

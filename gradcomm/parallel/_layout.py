@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import _axes, _checks, _collectives
-from gradcomm._placement import (
+from gradcomm.parallel._placement import (
     check_copies,
     data_axes,
     device_spec,

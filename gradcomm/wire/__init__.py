@@ -83,8 +83,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 # The program is read by _hlo, costed and its branches weighted by _wire_cost; the report
 # classes are _wire_report's.
-from gradcomm import _checks, _hlo, _wire_cost
-from gradcomm._wire_report import Branch, Collective, Conditional, WireReport
+from gradcomm import _checks
+from gradcomm.wire import _cost, _hlo
+from gradcomm.wire._report import Branch, Collective, Conditional, WireReport
 
 __all__ = [
     "Branch",
@@ -203,8 +204,8 @@ def analyze_hlo(text: str, mesh: MeshLike | None = None) -> WireReport:
       >>> wire.analyze_hlo(text, mesh={"data": 2, "model": 2}).by_axes()  # {0,1}: "model"
       {('model',): 4000.0}
     """
-    layout = None if mesh is None else _wire_cost.Layout.of(_axis_sizes(mesh))
-    return _wire_cost.analyze(text, layout)
+    layout = None if mesh is None else _cost.Layout.of(_axis_sizes(mesh))
+    return _cost.analyze(text, layout)
 
 
 def measure(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
@@ -242,7 +243,7 @@ def measure(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
     lower = getattr(fn, "lower", None) or jax.jit(fn).lower
     compiled = lower(*args, **kwargs).compile()
     text = compiled.as_text()
-    return _wire_cost.analyze(text, _program_layout(compiled, (args, kwargs), text))
+    return _cost.analyze(text, _program_layout(compiled, (args, kwargs), text))
 
 
 def _axis_sizes(mesh: MeshLike) -> dict[str, int]:
@@ -250,7 +251,7 @@ def _axis_sizes(mesh: MeshLike) -> dict[str, int]:
     return dict(mesh.shape if isinstance(mesh, Mesh | AbstractMesh) else mesh)
 
 
-def _program_layout(compiled: Any, args: Any, text: str) -> _wire_cost.Layout | None:
+def _program_layout(compiled: Any, args: Any, text: str) -> _cost.Layout | None:
     """The layout of the mesh a compiled program runs on, found as `measure` says (None
     where none fits)."""
     devices = _hlo.device_count(text)
@@ -277,4 +278,4 @@ def _program_layout(compiled: Any, args: Any, text: str) -> _wire_cost.Layout | 
     if not found:
         return None
     _, sizes, positions = max(found, key=lambda f: f[0])  # the first of the finest
-    return _wire_cost.Layout.of(sizes, positions)
+    return _cost.Layout.of(sizes, positions)

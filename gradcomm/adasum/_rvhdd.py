@@ -1,6 +1,6 @@
 """Adasum across devices: recursive vector-halving distance-doubling (Algorithm 1).
 
-`reduce_buffer` runs the balanced tree of `gradcomm._adasum_pair.pair` over a named axis on
+`reduce_buffer` runs the balanced tree of `gradcomm.adasum._pair.pair` over a named axis on
 one fused buffer, with the fold for a non-power-of-two axis size and the hierarchical
 (node-mean) mode; `group_stats` moves each level's per-leaf statistics within the level's
 group only. `gradcomm.adasum` holds the public API and the design notes.
@@ -16,8 +16,8 @@ import numpy as np
 from jax import lax
 
 from gradcomm import _axes, _collectives
-from gradcomm._adasum_pair import pair
 from gradcomm._flat import FlatLayout
+from gradcomm.adasum._pair import pair
 
 
 def bit_reversed(width: int) -> np.ndarray:

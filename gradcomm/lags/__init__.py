@@ -11,7 +11,7 @@ communication hides behind the backward pass of the leaves after it (eq. 18).
 `slgs` is the single-layer baseline: one top-k over the whole flattened model.
 Diagnostics: `lags_delta` (Assumption 1, eq. 20) and `lags_speedup_bound` (eq. 19). The
 planner (`lags_plan`, `lags_profile`, `lags_speedup_bound`, `LagsPlan`) is
-`gradcomm._lags_plan`'s, re-exported here; the top-k, the exchange and error feedback are
+`gradcomm.lags._plan`'s, re-exported here; the top-k, the exchange and error feedback are
 `gradcomm.sparse`'s.
 """
 
@@ -26,7 +26,7 @@ import optax
 from jax import lax
 
 from gradcomm import _axes, _checks, _flat, _leafwise, _packing, _shards, sparse
-from gradcomm._lags_plan import LagsPlan, lags_plan, lags_profile, lags_speedup_bound
+from gradcomm.lags._plan import LagsPlan, lags_plan, lags_profile, lags_speedup_bound
 
 __all__ = [
     "Density",

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import NamedTuple
 
-from gradcomm import _hlo
-from gradcomm._wire_report import Branch, Collective, Conditional, WireReport
+from gradcomm.wire import _hlo
+from gradcomm.wire._report import Branch, Collective, Conditional, WireReport
 
 # How many times the payload S each kind sends per device, given group size n.
 _MODEL: dict[str, Callable[[int], float]] = {

@@ -30,7 +30,7 @@ does).
 
 The random bits are a counter-based hash of each element's index, keyed per device and
 step by `jax.random`; each leaf is packed on its own, so that drawing, clipping and
-packing are one pass over the leaf. The codes and their wire are `gradcomm._ternary`'s;
+packing are one pass over the leaf. The codes and their wire are `gradcomm.terngrad._ternary`'s;
 this module holds the scales (clipping, the shared maximum) and the transformation.
 
 On a mesh with other axes than the data axes (tensor parallelism, `gradcomm._shards`), a
@@ -69,7 +69,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _leafwise, _numeric, _schedule, _shards, _ternary
+from gradcomm import _axes, _checks, _flat, _leafwise, _numeric, _schedule, _shards
+from gradcomm.terngrad import _ternary
 
 Wire = Literal["packed", "all_gather", "all_to_all", "simulate"]
 WIRES: tuple[str, ...] = get_args(Wire)

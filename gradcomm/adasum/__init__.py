@@ -35,8 +35,8 @@ How gradcomm computes it:
 * A leaf whose |a|^2 is zero gets coefficient 1 for `a`, so AS(0, b) = b. A leaf with a
   non-finite value on any device is NaN on every device.
 
-The code: `gradcomm._adasum_pair` (the operator on fused buffers and its numerics),
-`gradcomm._adasum_rvhdd` (the tree across devices), this module (the public API).
+The code: `gradcomm.adasum._pair` (the operator on fused buffers and its numerics),
+`gradcomm.adasum._rvhdd` (the tree across devices), this module (the public API).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _adasum_rvhdd, _axes, _checks, _flat, _numeric, _shards
-from gradcomm._adasum_pair import pair
+from gradcomm import _axes, _checks, _flat, _numeric, _shards
+from gradcomm.adasum import _rvhdd
+from gradcomm.adasum._pair import pair
 
 
 class AdasumState(NamedTuple):
@@ -112,7 +113,7 @@ def adasum_reduce(
     leaves = jax.tree.leaves(tree)
     shards = [_shards.shard_axes(leaves[ids[0]], every_axis, "adasum") for ids in flat.groups]
     results = [
-        _adasum_rvhdd.reduce_buffer(x, layout, axis_name, index, pairwise, local_axis, axes)
+        _rvhdd.reduce_buffer(x, layout, axis_name, index, pairwise, local_axis, axes)
         for x, layout, axes in zip(flat.pack(tree), flat.layouts, shards, strict=True)
     ]
     return flat.unpack(results)  # empty leaves are zeros
