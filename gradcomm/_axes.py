@@ -11,8 +11,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 AxisName = str | tuple[str, ...]
@@ -165,8 +163,3 @@ def on_gloo(axis_name: AxisName) -> bool:
     no link.
     """
     return _platform() == "cpu" and jax.process_count() > 1 and is_manual(axis_name)
-
-
-def compute_dtype(dtype: Any) -> np.dtype:
-    """The accumulation dtype for a floating dtype: at least float32."""
-    return np.dtype(jnp.promote_types(dtype, jnp.float32))

@@ -1,7 +1,7 @@
 """Collectives with the right types in every context, and the pairwise exchange for gloo.
 
 `lax.ppermute` and `lax.all_gather` behave differently under `shard_map`, `pmap` and a named
-`vmap`; the wrappers here give one behaviour everywhere. `exchange` and
+`vmap`; the wrappers here give one behaviour everywhere. `swap` and
 `all_gather_pairwise` are the swap and the gather written as two-member reduce-scatters (and
 `reduce_scatter_pairwise` a summing reduce-scatter), which gloo runs at full speed both
 ways (see `gradcomm._axes.use_pairwise`); `reduce_scatter_ring` is a summing reduce-scatter
@@ -26,11 +26,11 @@ from gradcomm._axes import (
     AxisName,
     axis_names,
     axis_size,
-    compute_dtype,
     is_manual,
     vary,
     varying_axes,
 )
+from gradcomm._numeric import compute_dtype
 
 
 def all_gather_invariant(x: jax.Array, axis_name: AxisName, *, tiled: bool = False) -> jax.Array:
@@ -90,7 +90,7 @@ def _unsigned(dtype: np.dtype) -> np.dtype:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def exchange(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
+def swap(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
     """Device i receives x of device i ^ distance, exactly, through a 2-member reduce-scatter.
 
     Over the one size-2 axis that separates the pair, each device lays out two slots, its
@@ -104,7 +104,7 @@ def exchange(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
     to subtract the very bits it sent. XLA:CPU may fuse the producer of `x` into the
     all-reduce's operand and into the subtraction separately and contract a product into
     an FMA in one of them only; then the two differ in the last bit and the difference is
-    garbage (Adasum at N = 4 returned NaN that way; `tests/test_pairwise.py`). Here
+    garbage (Adasum at N = 4 returned NaN that way; `tests/suites/test_pairwise.py`). Here
     nobody needs the bits it sent. Needs `axis_name` to be size-2 axes (`use_pairwise`)
     and `distance` a power of two below the axis size. Its gradient is the same swap of
     the cotangent.
@@ -119,19 +119,19 @@ def exchange(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
     return lax.bitcast_convert_type(received, x.dtype)
 
 
-def _exchange_fwd(x: jax.Array, axis_name: AxisName, distance: int) -> tuple[jax.Array, None]:
-    return exchange(x, axis_name, distance), None
+def _swap_fwd(x: jax.Array, axis_name: AxisName, distance: int) -> tuple[jax.Array, None]:
+    return swap(x, axis_name, distance), None
 
 
-def _exchange_bwd(axis_name: AxisName, distance: int, _: None, ct: jax.Array) -> tuple[Any]:
-    return (exchange(ct, axis_name, distance),)  # a swap is its own transpose
+def _swap_bwd(axis_name: AxisName, distance: int, _: None, ct: jax.Array) -> tuple[Any]:
+    return (swap(ct, axis_name, distance),)  # a swap is its own transpose
 
 
-exchange.defvjp(_exchange_fwd, _exchange_bwd)
+swap.defvjp(_swap_fwd, _swap_bwd)
 
 
 def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    """`all_gather_invariant(x, axis_name)` over size-2 axes, as one `exchange` per axis.
+    """`all_gather_invariant(x, axis_name)` over size-2 axes, as one `swap` per axis.
 
     Reverse doubling: at step j each device swaps the 2^j rows it holds with device
     i ^ 2^j, so each device sends (N - 1) rows in all, like an all-gather, and every
@@ -144,7 +144,7 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     # one materialized copy. Measured: hierarchical Adasum's step 1.49x -> 1.37x allreduce.
     held = lax.optimization_barrier(x)[None]
     for level, name in enumerate(_bit_axes(axis_name)):
-        received = exchange(held, axis_name, 1 << level)
+        received = swap(held, axis_name, 1 << level)
         upper = lax.axis_index(name) == 1  # this device's rows come second
         held = jnp.concatenate([jnp.where(upper, received, held), jnp.where(upper, held, received)])
     return assume_invariant(held, axis_name)
@@ -153,7 +153,7 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
 def reduce_scatter_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """The sum over the devices of row i of `x` (N rows), on device i: recursive halving.
 
-    One `exchange` per size-2 axis: at level b each device keeps the rows whose index
+    One `swap` per size-2 axis: at level b each device keeps the rows whose index
     shares its bit b, sends the other half to device i ^ 2^b, and adds what it receives,
     in float32 at least, rounded back to `x`'s dtype (a 16-bit sum of two per level, as a
     16-bit ring all-reduce rounds each partial sum). Each device sends (N - 1) / N of `x`,
@@ -169,7 +169,7 @@ def reduce_scatter_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
         rows = held.reshape(-1, 2, *x.shape[1:])  # by the row index's bit `level`
         upper = lax.axis_index(name) == 1
         keep = jnp.where(upper, rows[:, 1], rows[:, 0])
-        received = exchange(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, 1 << level)
+        received = swap(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, 1 << level)
         held = (keep.astype(wide) + received.astype(wide)).astype(x.dtype)
     return held[0]
 

@@ -1,11 +1,19 @@
-"""Exact power-of-two scaling: scale operands without changing a bit of their ratios."""
+"""Numerics the methods share: the dtype sums are computed in, and exact power-of-two
+scaling (operands scaled without changing a bit of their ratios)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The accumulation dtype for a floating dtype: at least float32."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
 def exact_pow2(e: jax.Array, dtype: np.dtype) -> jax.Array:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _shards
+from gradcomm import _axes, _checks, _flat, _shards, _transform, perfmodel, registry
 from gradcomm.low_precision import low_precision
 
 
@@ -65,12 +66,8 @@ def allreduce(
         del params
         return AllReduceState()
 
-    @jax.named_scope("gradcomm.allreduce")
-    def update_fn(
-        updates: Any, state: AllReduceState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, AllReduceState]:
-        del state, params, extra_args
-        _checks.check_updates(updates, axis_name, "allreduce")
+    def step(updates: Any, state: AllReduceState, params: Any) -> tuple[Any, AllReduceState]:
+        del state, params
         n = _axes.axis_size(axis_name)
         leaves, names, treedef = _checks.named_leaves(updates)
         scatter = [
@@ -94,4 +91,18 @@ def allreduce(
                 out[i] = piece.astype(leaves[i].dtype)
         return jax.tree.unflatten(treedef, out), AllReduceState()
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _transform.transformation("allreduce", axis_name, init_fn, step)
+
+
+def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:
+    """One all-reduce of the model; with a `dtype`, `low_precision`'s exchange."""
+    if options["dtype"] is None:
+        return [perfmodel.Collective("allreduce", s.nodes, s.size)]
+    sixteen = registry.METHODS["low_precision"]
+    return sixteen.collectives(sixteen.options({"dtype": options["dtype"]}), s)
+
+
+registry.register(registry.Method(
+    allreduce, "either", title="All-reduce", paper="baseline", page="dense",
+    collectives=_pattern, window=lambda options: "backward" if options["dtype"] is None else "none",
+))  # fmt: skip

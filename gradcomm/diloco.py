@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _collectives, _schedule, wire
-from gradcomm.sync import ParamsSync, _not_a_transformation, average_params
+from gradcomm import _axes, _checks, _collectives, _transform, perfmodel, registry, wire
+from gradcomm.sync import ParamsSync, _params_sync, average_params
 
 
 class DilocoState(NamedTuple):
@@ -143,7 +143,7 @@ def diloco(
         return DilocoState(
             anchor=jax.tree.map(jnp.array, params),  # a copy: params may be donated
             outer_state=outer.init(params),
-            count=_schedule.zero_count(),
+            count=_transform.zero_count(),
         )
 
     @wire.branch("outer step", every=every)
@@ -161,20 +161,18 @@ def diloco(
         new_outer_state = jax.tree.map(_cast_like, new_outer_state, outer_state)
         return _typed_like((new, new, new_outer_state), operands)
 
-    @jax.named_scope("gradcomm.diloco")
-    def update(params: Any, state: DilocoState) -> tuple[Any, DilocoState]:
+    def step(params: Any, state: DilocoState) -> tuple[Any, DilocoState]:
         _checks.check_float_leaves(params, "diloco")
-        _axes.axis_size(axis_name)  # for the error message where it is not bound
         operands = (params, state.anchor, state.outer_state)
         if _axes.is_manual(axis_name):
             # Under shard_map, both branches must give each output the same varying axes.
             operands = _joined(operands, outer_step)
-        due = _schedule.every(state.count, every)
+        due = _transform.every(state.count, every)
         params, anchor, outer_state = lax.cond(due, outer_step, lambda ops: ops, operands)
         count = optax.safe_increment(state.count)
         return params, DilocoState(anchor=anchor, outer_state=outer_state, count=count)
 
-    return ParamsSync(init, _not_a_transformation(update, "diloco"))
+    return _params_sync("diloco", axis_name, init, step)
 
 
 def _joined(operands: tuple[Any, Any, Any], outer_step: Any) -> tuple[Any, Any, Any]:
@@ -217,3 +215,9 @@ def _typed_like(new: Any, old: Any, *, join: bool = False) -> Any:
 def _cast_like(new: jax.Array, old: jax.Array) -> jax.Array:
     """`new` in `old`'s dtype (an optimizer may promote a state leaf)."""
     return new if new.dtype == old.dtype else new.astype(old.dtype)
+
+
+registry.register(registry.Method(
+    diloco, "params", title="DiLoCo", paper="Douillard et al., 2023", page="diloco",
+    collectives=perfmodel.averaging, per_device=True,
+))  # fmt: skip

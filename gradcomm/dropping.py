@@ -17,6 +17,7 @@ with no gradient exchange at all (`gradcomm.local_sgd`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -24,7 +25,17 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _schedule, _shards, sparse, wire
+from gradcomm import (
+    _axes,
+    _checks,
+    _numeric,
+    _shards,
+    _transform,
+    perfmodel,
+    registry,
+    sparse,
+    wire,
+)
 
 Local = Literal["sum", "compensated"]
 LOCAL_MODES = (None, *get_args(Local))
@@ -201,29 +212,20 @@ def gradient_dropping(
 
     def init_fn(params: Any) -> GradientDroppingState:
         return GradientDroppingState(
-            count=_schedule.zero_count(),
+            count=_transform.zero_count(),
             residual=sparse.zero_residuals(params, specs, axis_name, "gradient_dropping"),
         )
 
-    @jax.named_scope("gradcomm.gradient_dropping")
-    def update_fn(
-        updates: Any, state: GradientDroppingState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, GradientDroppingState]:
-        del params, extra_args
-        _checks.check_updates(updates, axis_name, "gradient_dropping")
+    def step(
+        leaves: list[jax.Array], names: list[str], state: GradientDroppingState
+    ) -> tuple[list[jax.Array], GradientDroppingState]:
         n = _axes.axis_size(axis_name)
-        leaves, treedef = jax.tree.flatten(updates)
         residuals = jax.tree.leaves(state.residual)
-        paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(updates)]
-        names = _checks.leaf_names(paths)
-        leaf_specs = _shards.leaf_specs(specs, updates, "gradient_dropping")
-        fsdp = [False] * len(leaves)
-        if specs is not None:
-            fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "gradient_dropping")
-            for i in (i for i, split in enumerate(fsdp) if split):
-                sparse.check_whole_residual(
-                    residuals[i], leaves[i], n, "gradient_dropping", names[i]
-                )
+        # The residual is shaped like the updates, which `specs` must match.
+        leaf_specs = _shards.leaf_specs(specs, state.residual, "gradient_dropping")
+        fsdp = sparse.fsdp_leaves(specs, state.residual, names, axis_name, "gradient_dropping")
+        for i in (i for i, split in enumerate(fsdp) if split):
+            sparse.check_whole_residual(residuals[i], leaves[i], n, "gradient_dropping", names[i])
         ids = [i for i, leaf in enumerate(leaves) if leaf.size]
         accs = [sparse.accumulate(residuals[i], leaves[i]) for i in ids]
         # A leaf sharded over mesh axes beyond axis_name (tensor parallelism) is a piece
@@ -300,7 +302,7 @@ def gradient_dropping(
             for a, axes, whole, i in zip(accs, shards, wholes, ids, strict=True):
                 keep = jnp.clip(jnp.round((1 - rate) * whole), 1, whole).astype(jnp.int32)
                 dense, residual = _drop_by_threshold(a, keep, axes)
-                sent.append(dense.astype(_axes.compute_dtype(dense.dtype)))
+                sent.append(dense.astype(_numeric.compute_dtype(dense.dtype)))
                 kept.append(sparse.as_residual(residual, residuals[i]))
             if any(split):  # FSDP leaves' shards by a reduce-scatter, the others' psum
                 totals: list[Any] = [None] * len(sent)
@@ -344,6 +346,17 @@ def gradient_dropping(
             count=optax.safe_increment(state.count),
             residual=jax.tree.unflatten(jax.tree.structure(state.residual), new_residuals),
         )
-        return jax.tree.unflatten(treedef, out), new_state
+        return out, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _transform.leafwise("gradient_dropping", axis_name, init_fn, step)
+
+
+def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:
+    """The top-k pairs of the updates that are not dropped, gathered."""
+    return sparse.collectives({"density": 1 - options["drop_ratio"]}, s)
+
+
+registry.register(registry.Method(
+    gradient_dropping, "before", title="Gradient dropping", paper="Aji et al., EMNLP 2019",
+    page="dropping", collectives=_pattern, window="backward",
+))  # fmt: skip

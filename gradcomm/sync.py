@@ -28,7 +28,7 @@ import jax
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _schedule, wire
+from gradcomm import _axes, _checks, _transform, perfmodel, registry, wire
 
 
 class ParamsSync(NamedTuple):
@@ -46,11 +46,20 @@ class ParamsSync(NamedTuple):
     update: Callable[[Any, Any], tuple[Any, Any]]
 
 
-def _not_a_transformation(update: Callable[[Any, Any], Any], who: str) -> Callable[..., Any]:
-    """`update`, raising where optax calls it as a transformation's `update(updates, state,
-    params)` (a `ParamsSync` is a pair of functions, so `optax.chain` would accept it)."""
+def _params_sync(
+    who: str,
+    axis_name: _axes.AxisName,
+    init: Callable[[Any], Any],
+    step: Callable[[Any, Any], tuple[Any, Any]],
+) -> ParamsSync:
+    """The `ParamsSync` of a rule: its update runs under `jax.named_scope("gradcomm.<who>")`,
+    resolves the axis (an axis that is not bound raises, naming the bound ones) and calls
+    `step(params, state)`; it raises where optax calls it as a transformation's
+    `update(updates, state, params)` (a `ParamsSync` is a pair of functions, so
+    `optax.chain` would accept it)."""
 
-    def checked(params: Any, state: Any, *misplaced: Any, **extra_args: Any) -> Any:
+    @jax.named_scope(f"gradcomm.{who}")
+    def update(params: Any, state: Any, *misplaced: Any, **extra_args: Any) -> tuple[Any, Any]:
         if misplaced or extra_args:
             raise ValueError(
                 f"{who} returns a gradcomm.ParamsSync, which sets the params after the "
@@ -59,9 +68,10 @@ def _not_a_transformation(update: Callable[[Any, Any], Any], who: str) -> Callab
                 f"`params, sync_state = sync.update(params, sync_state)` after "
                 f"optax.apply_updates in your own loop"
             )
-        return update(params, state)
+        _axes.axis_size(axis_name)
+        return step(params, state)
 
-    return checked
+    return ParamsSync(init, update)
 
 
 class PeriodicAverageState(NamedTuple):
@@ -177,13 +187,23 @@ def _periodic(axis_name: _axes.AxisName, every: int, who: str) -> ParamsSync:
 
     def init(params: Any) -> PeriodicAverageState:
         del params
-        return PeriodicAverageState(count=_schedule.zero_count())
+        return PeriodicAverageState(count=_transform.zero_count())
 
-    @jax.named_scope(f"gradcomm.{who}")
-    def update(params: Any, state: PeriodicAverageState) -> tuple[Any, PeriodicAverageState]:
-        due = _schedule.every(state.count, every)
+    def step(params: Any, state: PeriodicAverageState) -> tuple[Any, PeriodicAverageState]:
+        due = _transform.every(state.count, every)
         average = wire.branch("average params", every=every)(lambda p: average_params(p, axis_name))
         params = lax.cond(due, average, lambda p: p, params)
         return params, PeriodicAverageState(count=optax.safe_increment(state.count))
 
-    return ParamsSync(init, _not_a_transformation(update, who))
+    return _params_sync(who, axis_name, init, step)
+
+
+registry.register(registry.Method(
+    local_sgd, "params", title="Local SGD", paper="baseline", page="dropping",
+    collectives=perfmodel.averaging, per_device=True,
+))  # fmt: skip
+
+registry.register(registry.Method(
+    periodic_average, "params", title="Periodic averaging", paper="baseline", page="dropping",
+    collectives=perfmodel.averaging, per_device=True,
+))  # fmt: skip

@@ -3,8 +3,9 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import parallel
@@ -140,3 +141,173 @@ def mlp_problem(seed=0, steps=5):
         for _ in range(steps)
     ]
     return params, batches
+
+
+def save(path, tree):
+    """Writes `tree` (sharded arrays included) as an orbax checkpoint at `path`."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree)
+        checkpointer.wait_until_finished()
+
+
+def restore(path, target):
+    """The checkpoint at `path`, restored like `target` (shapes, dtypes and shardings)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path, target)
+
+
+# The sharded (TP and FSDP) checks that sparse, lags and dropping share.
+@functools.cache
+def explicit_mesh(shape, names):
+    """A mesh of Explicit axes over the first prod(shape) devices."""
+    devices = jax.devices()[: int(np.prod(shape))]
+    return jax.make_mesh(
+        shape, names, devices=devices, axis_types=(AxisType.Explicit,) * len(shape)
+    )
+
+
+def run_on_mesh(tx, grads, mesh, specs, check_vma=True):
+    """Per device, the outputs of `tx.update` on grads `(steps, data, *leaf)`, stacked
+    `(steps, data, *leaf)`, each leaf split over the mesh by its spec (beyond 'data')."""
+    steps = len(next(iter(grads.values())))
+    in_specs = {k: P(None, "data", *specs[k]) for k in grads}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[:, 0], g)
+        params = jax.tree.map(lambda x: x[0] * 0, g)  # typed like the grads
+        state, outs = tx.init(params), []
+        for t in range(steps):
+            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
+            outs.append(out)
+        return jax.tree.map(lambda *xs: jnp.stack(xs)[:, None], *outs)
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs, check_vma=check_vma
+    )
+    placed = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in grads.items()}
+    return jax.tree.map(np.asarray, jax.jit(mapped)(placed))
+
+
+def sharded_against_whole(make, grads, specs, shape=(2, 2), names=("data", "model")):
+    """`make()`'s outputs on leaves split by `specs` over a `shape` mesh of `names`, and on
+    the whole leaves over 'data' alone (the first axis): `(got, want)`."""
+    whole = explicit_mesh(shape[:1], names[:1])
+    want = run_on_mesh(make(), grads, whole, {k: P() for k in grads})
+    got = run_on_mesh(make(), grads, explicit_mesh(shape, names), specs)
+    return got, want
+
+
+def assert_same_bits(got, want):
+    for k in want:
+        assert got[k].dtype == want[k].dtype
+        np.testing.assert_array_equal(
+            got[k].view(np.uint8), want[k].view(np.uint8), err_msg=f"leaf {k!r}"
+        )
+
+
+def tied(shape, rng, scale=0.25):
+    """Values in {-2, -1, 1, 2} * scale, mostly +-1: exact ties at any top-k threshold."""
+    return (rng.choice([-1, 1], shape) * rng.choice([1, 1, 1, 2], shape) * scale).astype(np.float32)
+
+
+def run_fsdp(tx, grads, split, n):
+    """`tx.update` on whole per-device grads `(steps, n, *leaf)` over a 1-D 'data' mesh of
+    n, `init` given each device's shard of an FSDP leaf (`split`), the whole of the rest.
+
+    Returns the outputs `(steps, n, *out)` and each step's residuals flat, `(steps, n,
+    size)`: an FSDP leaf's shard, and its whole-sized residual (this device's).
+    """
+    steps = len(next(iter(grads.values())))
+    mesh = explicit_mesh((n,), ("data",))
+    spec = {k: P(None, "data") for k in grads}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[:, 0], g)
+        params = {k: (x[0, : x.shape[1] // n] if split[k] else x[0]) * 0 for k, x in g.items()}
+        state, outs, residuals = tx.init(params), [], []
+        for t in range(steps):
+            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
+            outs.append(out)
+            residuals.append(jax.tree.map(lambda r: r.reshape(-1), state.residual))
+        stack = lambda *xs: jnp.stack(xs)[:, None]  # noqa: E731
+        return jax.tree.map(stack, *outs), jax.tree.map(stack, *residuals)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()}
+    return jax.tree.map(np.asarray, f(placed))
+
+
+def fsdp_against_whole(make, grads, split, n=4):
+    """`make(specs)` with the leaves of `split` FSDP-split against `make(None)`: asserts
+    that every device's shard is its slice of the whole result and its residual the same,
+    bit for bit; returns the outputs with and without FSDP."""
+    specs = {k: P("data") if s else P() for k, s in split.items()}
+    got, got_residuals = run_fsdp(make(specs), grads, split, n)
+    want, want_residuals = run_fsdp(make(None), grads, dict.fromkeys(split, False), n)
+    for k, s in split.items():
+        rows = grads[k].shape[2] // n if s else None
+        for j in range(n):
+            expected = want[k][:, j, j * rows : (j + 1) * rows] if s else want[k][:, j]
+            assert got[k][:, j].shape == expected.shape, k
+            assert_same_bits({k: got[k][:, j]}, {k: expected})
+    assert_same_bits(got_residuals, want_residuals)
+    return got, want
+
+
+# A small MLP for FSDP in parallel.train_step (test_sharded's): leading dims divisible by 4.
+def train_fsdp_against_replicated(make, n=4, steps=5):
+    """`make(specs)` in `parallel.train_step` on the MLP, FSDP-split (`FSDP_SPECS`) and
+    replicated: returns (fsdp params, fsdp state, replicated params, replicated state)."""
+    from gradcomm import parallel
+
+    mesh = explicit_mesh((n,), ("data",))
+    params, batches = mlp_problem(steps=steps)
+
+    def train(tx, placed):
+        state = parallel.init_state(tx, placed, mesh)
+        step = parallel.train_step(mlp_loss, tx, mesh)
+        for batch in batches:
+            placed, state, _ = step(placed, state, batch)
+        return jax.tree.map(np.asarray, placed), state
+
+    want, want_state = train(make(None), parallel.replicate(params, mesh))
+    got, got_state = train(make(FSDP_SPECS), parallel.shard_params(params, mesh, FSDP_SPECS))
+    for k in params:
+        scale = np.abs(want[k]).max()
+        assert np.abs(got[k] - want[k]).max() <= 1e-6 * scale, k
+        assert not np.allclose(got[k], params[k]), k  # it trained
+    return got, got_state, want, want_state
+
+
+def spec_of(x):
+    """An array's PartitionSpec without trailing Nones."""
+    entries = list(x.sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+PER_SHARD_SHAPES = {"w": (16, 6), "v": (8, 3), "z": (8, 2), "h": (8, 4)}
+
+
+def per_shard_grads(n, dtype, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    grads = {
+        k: np.clip(rng.standard_normal((steps, n, *s)), -3, 3) for k, s in PER_SHARD_SHAPES.items()
+    }
+    grads["z"][:] = 0
+    grads["h"] *= float(jnp.finfo(dtype).max) / 64
+    return {k: v.astype(dtype) for k, v in grads.items()}
+
+
+def assert_shards_match(got, want, dtype, n):
+    """Each device's shard within n roundings of the dtype of the largest entry (the sum of
+    n terms runs in float32, the reference's in float64), zeros exactly."""
+    got = np.asarray(got, np.float64).reshape(want.shape)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=eps, atol=n * eps * np.abs(want).max())
+    assert not got[want == 0].any()

@@ -1,15 +1,22 @@
-"""mkdocs hook: serve the committed results beside these pages.
+"""mkdocs hooks: serve the committed results beside these pages, and write the methods tables.
 
 `docs/results.md`, `docs/bench/*.md` and their plots are written by the experiments and
 live outside this folder. They are added to the site at the paths they have under `docs/`,
 so their own relative links, and links to them from these pages, resolve unchanged. Those
 the nav does not list are reachable by link only (mkdocs' `not_in_nav`).
+
+A page's `<!-- methods table -->` line becomes the table of `gradcomm.registry`, with a
+column linking each method's page (`<!-- methods table: signatures -->` also gives each
+factory's signature), so no page keeps a list of methods by hand.
 """
 
 from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files, InclusionLevel
+from mkdocs.structure.pages import Page
+
+from gradcomm import registry
 
 DOCS = Path(__file__).resolve().parent.parent  # docs/
 SITE_SOURCE = Path(__file__).resolve().parent  # docs/site/
@@ -26,3 +33,12 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
                 file.inclusion = InclusionLevel.NOT_IN_NAV
                 files.append(file)
     return files
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    depth = page.file.src_uri.count("/")  # links from a page in a subfolder go up first
+    for marker, signatures in (("<!-- methods table -->", False),
+                               ("<!-- methods table: signatures -->", True)):  # fmt: skip
+        table = registry.markdown_table(links="../" * depth, signatures=signatures)
+        markdown = markdown.replace(marker, table)
+    return markdown

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Latency of gradcomm's collectives and kernels against lax.psum and a memory-bandwidth bound.
 
-    python experiments/bench_collectives.py                       # 4 KiB .. 64 MiB, 8 devices
-    python experiments/bench_collectives.py --sizes 1MiB,16MiB,64MiB --repeats 20
-    python experiments/bench_collectives.py --methods terngrad --sizes 4MiB,64MiB
-    python experiments/bench_collectives.py --methods topk-exact,topk-sampled,lags \\
+    python experiments/benchmarks/bench_collectives.py                  # 4 KiB .. 64 MiB, 8 devices
+    python experiments/benchmarks/bench_collectives.py --sizes 1MiB,16MiB,64MiB --repeats 20
+    python experiments/benchmarks/bench_collectives.py --methods terngrad --sizes 4MiB,64MiB
+    python experiments/benchmarks/bench_collectives.py --methods topk-exact,topk-sampled,lags \\
         --sizes 4MiB,64MiB --density 0.001
-    python experiments/bench_collectives.py --devices 1 --sizes 16MiB,64MiB \\
+    python experiments/benchmarks/bench_collectives.py --devices 1 --sizes 16MiB,64MiB \\
         --methods ternarize,unpack,topk-exact,topk-sampled,residual,terngrad,lags
 
 A message is each device's buffer of that many bytes (float32), split into --leaves
@@ -38,11 +38,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _cli
-import _methods
-import _provenance
-import _report
-import _runtime
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +45,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import _packing, _ternary, parallel, sparse
+from gradcomm import _packing, parallel, sparse
+from gradcomm.terngrad import _ternary
+from gradcomm_experiments import cli, provenance, report, runtime
+from gradcomm_experiments import methods as registry
 
 tg = importlib.import_module("gradcomm.terngrad")  # the module (the package exports the factory)
 
@@ -236,7 +234,7 @@ def time_once(fn: Callable[[Any], Any], inputs: Any) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _cli.make_parser(__doc__)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes")
     parser.add_argument(
         "--methods",
@@ -256,10 +254,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bytes per device of the in-place copy that measures the memory bandwidth "
         "(larger than the caches)",
     )
-    _runtime.add_common_args(parser, data=False)
+    runtime.add_common_args(parser, data=False)
 
     def check(args: argparse.Namespace) -> None:
-        args.size_list = _cli.comma_list(args.sizes, parse_size, "--sizes")
+        args.size_list = cli.comma_list(args.sizes, parse_size, "--sizes")
         args.bandwidth_bytes = parse_size(args.bandwidth_size)
         args.method_list = ["psum"] + [m for m in args.methods.split(",") if m and m != "psum"]
         unknown = [m for m in args.method_list if m not in METHODS]
@@ -270,24 +268,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.repeats < 1 or args.leaves < 1:
             raise ValueError("--repeats and --leaves must be at least 1")
 
-    return _runtime.parse_args(parser, argv, check)
+    return runtime.parse_args(parser, argv, check)
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
+    stamp = provenance.start(argv)
     args = parse_args(argv)
     sizes, methods, bandwidth_size = args.size_list, args.method_list, args.bandwidth_bytes
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = parallel.num_shards(mesh)
     available = collectives(args.density, n)
-    main_process = _runtime.is_main_process()
+    main_process = runtime.is_main_process()
     if main_process:
-        print(f"gradcomm {gradcomm.__version__}: {_runtime.describe(devices)}")
+        print(f"gradcomm {gradcomm.__version__}: {runtime.describe(devices)}")
 
     copy_seconds = measure_copy(mesh, bandwidth_size, args.repeats, args.seed)
     rows = []
-    for size in _cli.progress(sizes, desc="sizes", quiet=not main_process or args.quiet):
+    for size in cli.progress(sizes, desc="sizes", quiet=not main_process or args.quiet):
         floats = make_inputs(mesh, size, args.leaves, args.seed)
         inputs = {
             m: compile_collective(PREPARE[m], mesh)(floats) if m in PREPARE else floats
@@ -322,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     if main_process:
         bandwidth = 2 * bandwidth_size / copy_seconds
         lines = [
-            f"Copy bandwidth: {bandwidth / 1e9:.2f} GB/s per device ({_runtime.describe(devices)}; "
+            f"Copy bandwidth: {bandwidth / 1e9:.2f} GB/s per device ({runtime.describe(devices)}; "
             f"a copy of {label(bandwidth_size)} per device took {1e3 * copy_seconds:.3f} ms).",
             "",
             "| message | method | time (ms) | / psum time | / psum bytes | must move (MiB) "
@@ -341,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         table = "\n".join(lines)
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        config = {**vars(args), "devices": _runtime.describe(devices)}
+        config = {**vars(args), "devices": runtime.describe(devices)}
         result = {
             "config": config,
             "provenance": stamp.record(devices, seeds=[args.seed]),
@@ -354,10 +352,10 @@ def main(argv: list[str] | None = None) -> None:
         }
         (out / "bench_collectives.json").write_text(json.dumps(result, indent=1))
         (out / "bench_collectives.md").write_text(table + "\n")
-        _report.save_figure(
+        report.save_figure(
             out / "bench_collectives.png",
             lambda fig: plot(fig, rows, methods),
-            title=f"Collectives and kernels against lax.psum, {_runtime.describe(devices)}",
+            title=f"Collectives and kernels against lax.psum, {runtime.describe(devices)}",
         )
         print(f"\n{table}\n\nwrote {out}/bench_collectives.json, .md, .png")
 
@@ -384,9 +382,9 @@ def plot(fig: Any, rows: list[dict[str, Any]], methods: list[str]) -> None:
 def _style(method: str, k: int) -> dict[str, Any]:
     """A registry method's style (psum as the all-reduce); a kernel's a dotted line."""
     name = "allreduce" if method == "psum" else method
-    if name in _methods.METHODS:
-        return _report.style(name)
-    return {"marker": _report.MARKERS[-1 - k % 5], "linestyle": ":"}
+    if name in registry.METHODS:
+        return report.style(name)
+    return {"marker": report.MARKERS[-1 - k % 5], "linestyle": ":"}
 
 
 if __name__ == "__main__":

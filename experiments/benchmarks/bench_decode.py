@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The sparse exchange's decode: the loop in device order against one sort and one scatter.
 
-    python experiments/bench_decode.py                         # this machine's default backend
-    python experiments/bench_decode.py --platform cpu --sizes 278784 --densities 0.01
+    python experiments/benchmarks/bench_decode.py                   # this machine's default backend
+    python experiments/benchmarks/bench_decode.py --platform cpu --sizes 278784 --densities 0.01
 
 After its one all-gather, the sparse exchange under `gradcomm.lags` and
 `gradcomm.gradient_dropping` holds every device's (value, index) pairs, `(N, k)` each, and
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 from typing import Any
 
 import jax
@@ -37,12 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import _cli
-import _provenance
-import _report
-from bench_scaling import device_pairs, median_seconds
+from gradcomm_experiments import cli, provenance, report
+from gradcomm_experiments.timing import device_pairs, median_seconds
 
 
 def sort_decode(values: jax.Array, indices: jax.Array, size: int, divide_by: int) -> jax.Array:
@@ -124,8 +119,8 @@ def plot(fig: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--platform", default=None, help="cpu, gpu or tpu (default: jax's)")
     parser.add_argument("--max-devices", type=int, default=8, help="N runs from 2 to this")
     parser.add_argument("--sizes", default="278784,16777216", help="comma-separated sizes")
@@ -136,18 +131,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=50, help="timed calls per measurement")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
     parser.add_argument("--out", default="runs/bench_decode", help="output directory")
-    _cli.add_quiet(parser)
+    cli.add_quiet(parser)
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:
         if args.max_devices < 2:
             raise ValueError("--max-devices must be at least 2")
-        args.size_list = _cli.comma_list(args.sizes, int, "--sizes")
-        args.density_list = _cli.comma_list(args.densities, float, "--densities")
+        args.size_list = cli.comma_list(args.sizes, int, "--sizes")
+        args.density_list = cli.comma_list(args.densities, float, "--densities")
         if min(args.size_list) < 1 or not all(0 < d <= 1 for d in args.density_list):
             raise ValueError("every size must be at least 1 and every density in (0, 1]")
 
-    _cli.check(parser, args, check)
+    cli.check(parser, args, check)
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
     try:
@@ -160,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         for density in args.density_list
         for n in range(2, args.max_devices + 1)
     ]
-    rows = [measure(*cell, args) for cell in _cli.progress(cells, quiet=args.quiet)]
+    rows = [measure(*cell, args) for cell in cli.progress(cells, quiet=args.quiet)]
     result = {
         "config": vars(args),
         "provenance": stamp.record([device], seeds=[args.seed]),
@@ -173,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
     (out / "bench_decode.md").write_text(text + "\n")
-    _report.save_figure(
+    report.save_figure(
         out / "bench_decode.png",
         lambda fig: plot(fig, rows),
         title=f"Sparse decode on {device.device_kind}: one sort against gradcomm's loop",

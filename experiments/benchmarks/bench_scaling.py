@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Cost against the number of devices N of the sparse exchange and of Adasum's statistics.
 
-    python experiments/bench_scaling.py                  # N = 1 .. 8, about two minutes
-    python experiments/bench_scaling.py --sizes 1000000 --density 0.001 --repeats 50
+    python experiments/benchmarks/bench_scaling.py                  # N = 1 .. 8, about two minutes
+    python experiments/benchmarks/bench_scaling.py --sizes 1000000 --density 0.001 --repeats 50
     git worktree add /tmp/before HEAD && cd /tmp/before && \\
         PYTHONPATH=/tmp/before python /path/to/bench_scaling.py --out /tmp/scaling_before
 
@@ -38,18 +38,16 @@ import collections
 import json
 import pathlib
 import re
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
-import _cli
-import _provenance
-import _report
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from gradcomm_experiments import cli, provenance, report
+from gradcomm_experiments.timing import device_pairs, median_seconds
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\s([a-z][a-z0-9-]*)\(")
@@ -109,29 +107,6 @@ def hlo_ops(text: str) -> dict[str, Any]:
     }
 
 
-def median_seconds(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def device_pairs(
-    n: int, size: int, k: int, overlap: float, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """`(n, k)` float32 values and int32 indices, distinct within each device's row."""
-    common = rng.choice(size, min(k, round(overlap * k)), replace=False)
-    rows = []
-    for _ in range(n):
-        drawn = rng.choice(size, min(size, 2 * k + common.size), replace=False)
-        others = np.setdiff1d(drawn, common)
-        rows.append(rng.permutation(np.concatenate([common, others[: k - common.size]])))
-    return rng.standard_normal((n, k)).astype(np.float32), np.stack(rows).astype(np.int32)
-
-
 def phase_of(op_name: str) -> str:
     """The Adasum phase a collective belongs to, from its named scopes."""
     parts = op_name.split("/")
@@ -141,10 +116,10 @@ def phase_of(op_name: str) -> str:
     return "fold"
 
 
-def adasum_levels(report: Any, text: str) -> dict[str, Any]:
+def adasum_levels(analysis: Any, text: str) -> dict[str, Any]:
     """Bytes one device sends per level (exchange and statistics), plus fold and gather.
 
-    `report.collectives` are in program order; a level starts at each exchange.
+    `analysis.collectives` are in program order; a level starts at each exchange.
     """
     scopes = {}
     for line in text.splitlines():
@@ -153,7 +128,7 @@ def adasum_levels(report: Any, text: str) -> dict[str, Any]:
             scopes[instruction.group(1)] = name.group(1)
     levels: list[dict[str, Any]] = []
     other = {"fold": 0.0, "gather": 0.0}
-    for c in report.collectives:
+    for c in analysis.collectives:
         phase = phase_of(scopes.get(c.name, ""))
         if phase == "exchange":
             levels.append({"exchange_bytes": 0.0, "stats_bytes": 0.0, "stats": []})
@@ -202,8 +177,8 @@ def measure(n: int, args: argparse.Namespace, sizes: list[int]) -> dict[str, Any
 
     combine = mapped(lambda tree: gradcomm.adasum_reduce(tree, "data"))
     text = combine.lower(updates).compile().as_text()
-    report = wire.analyze_hlo(text)
-    adasum = {"n": n, **adasum_levels(report, text), "bytes": report.total}
+    analysis = wire.analyze_hlo(text)
+    adasum = {"n": n, **adasum_levels(analysis, text), "bytes": analysis.total}
     adasum["seconds"] = median_seconds(combine, (updates,), args.repeats)
     return {"sparse": row, "adasum": adasum}
 
@@ -249,7 +224,7 @@ def plot(fig: Any, result: dict[str, Any]) -> None:
     left, right = fig.subplots(1, 2)
     n = [r["n"] for r in result["sparse"]]
     sparse_kw, update_kw, adasum_kw = (
-        _report.style("lags"), _report.style("lags", 1), _report.style("adasum"),
+        report.style("lags"), report.style("lags", 1), report.style("adasum"),
     )  # fmt: skip
     left.plot(n, [r["bytes"] for r in result["sparse"]], label="sparse exchange", **sparse_kw)
     left.plot(n, [r["bytes"] for r in result["adasum"]], label="adasum_reduce", **adasum_kw)
@@ -269,8 +244,8 @@ def plot(fig: Any, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument(
         "--devices", type=int, default=8, help="simulated CPU devices: N runs from 1 to this"
     )
@@ -284,23 +259,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
     parser.add_argument("--out", default="runs/bench_scaling", help="output directory")
-    _cli.add_quiet(parser)
+    cli.add_quiet(parser)
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:
-        args.size_list = _cli.comma_list(args.sizes, int, "--sizes")
+        args.size_list = cli.comma_list(args.sizes, int, "--sizes")
         if args.devices < 1 or args.repeats < 1 or min(args.size_list) < 1:
             raise ValueError("--devices, --repeats and every size must be at least 1")
         if not 0 < args.density <= 1 or not 0 <= args.overlap <= 1:
             raise ValueError("--density must be in (0, 1] and --overlap in [0, 1]")
 
-    _cli.check(parser, args, check)
+    cli.check(parser, args, check)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     import gradcomm
 
     sizes = args.size_list
-    steps = _cli.progress(range(1, args.devices + 1), desc="N", quiet=args.quiet)
+    steps = cli.progress(range(1, args.devices + 1), desc="N", quiet=args.quiet)
     rows = [measure(n, args, sizes) for n in steps]
     result = {
         "config": vars(args),
@@ -315,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_scaling.json").write_text(json.dumps(result, indent=1))
     (out / "bench_scaling.md").write_text(table + "\n")
-    _report.save_figure(
+    report.save_figure(
         out / "bench_scaling.png",
         lambda fig: plot(fig, result),
         title=f"Cost against N: leaves of {args.sizes} elements, density {args.density:g}",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Bytes on the wire per mesh axis on sharded models: tensor parallelism and FSDP.
 
-    python experiments/bench_sharded.py                   # a 1M-parameter MLP, seconds
-    python experiments/bench_sharded.py --data 8 --model 1 --hidden 2048
+    python experiments/benchmarks/bench_sharded.py                   # a 1M-parameter MLP, seconds
+    python experiments/benchmarks/bench_sharded.py --data 8 --model 1 --hidden 2048
 
 Tensor parallelism: a Megatron-style MLP's gradient (a column-split kernel and its bias,
 a row-split kernel, a whole bias) on a ('data', 'model') mesh of simulated CPU devices,
@@ -27,12 +27,12 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import _cli
-import _provenance
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from gradcomm_experiments import cli, provenance
 
 # name -> (factory(specs), rows): the tables it has a row in. Every method has a
 # tensor-parallel row; the methods with a reduce-scatter have FSDP rows.
@@ -136,7 +136,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     one = parallel.make_mesh({"data": args.data}, devices=devices[: args.data])
     whole_specs = {k: P() for k in shapes}
     tp, fsdp = [], []
-    for name, (make, rows) in _cli.progress(METHODS.items(), desc="method", quiet=args.quiet):
+    for name, (make, rows) in cli.progress(METHODS.items(), desc="method", quiet=args.quiet):
         whole = wire_of(make(None), one, whole_specs, shapes)
         if "tp" in rows:
             tp.append(row(name, wire_of(make(TP_SPECS), two, TP_SPECS, shapes), whole))
@@ -189,14 +189,14 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--data", type=int, default=4, help="devices on the data axis")
     parser.add_argument("--model", type=int, default=2, help="devices on the model axis")
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden units")
     parser.add_argument("--width", type=int, default=512, help="the MLP's input and output width")
     parser.add_argument("--out", default="runs/bench_sharded", help="output directory")
-    _cli.add_quiet(parser)
+    cli.add_quiet(parser)
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.hidden % args.model or args.width % args.data or args.hidden % args.data:
             raise ValueError("--model must divide --hidden, and --data --hidden and --width")
 
-    _cli.check(parser, args, check)
+    cli.check(parser, args, check)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.data * args.model)  # before the backend
     _register()

@@ -5,18 +5,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-import _cli
-import _data
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import jax
 
 import gradcomm
 from gradcomm import parallel
+from gradcomm_experiments import cli, loop, provenance, report, runtime, tasks
+from gradcomm_experiments import data as datasets
+from gradcomm_experiments import methods as registry
 
 
 def main(
@@ -24,11 +19,11 @@ def main(
 ) -> None:
     """A script's main: its flags (`--method` defaulting to `methods`; `--seeds` with
     `seeds`, else `--seed`), then `run_methods`."""
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(doc)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(doc)
     add_training_args(parser, methods=methods, seeds=seeds)
     parser.set_defaults(out=f"runs/{name}")
-    args = _runtime.parse_args(parser, argv, check_training_args)
+    args = runtime.parse_args(parser, argv, check_training_args)
     run_methods(args, name, stamp)
 
 
@@ -41,7 +36,7 @@ def add_training_args(
     parser.add_argument(
         "--method",
         default=methods,
-        help=f"comma-separated methods, from: {', '.join(_methods.METHODS)}",
+        help=f"comma-separated methods, from: {', '.join(registry.METHODS)}",
     )
     parser.add_argument(
         "--optimizer", default="adam", choices=("adam", "sgd", "momentum"), help="inner optimizer"
@@ -50,32 +45,32 @@ def add_training_args(
     parser.add_argument(
         "--schedule", default="cosine", choices=("cosine", "constant"), help="cosine decays to 0"
     )
-    _runtime.add_schedule_args(parser, epochs=30, batch_size=16, seeds=seeds)
+    runtime.add_schedule_args(parser, epochs=30, batch_size=16, seeds=seeds)
     parser.add_argument("--density", type=float, default=0.01, help="k/d for lags and slgs")
-    _runtime.add_common_args(parser, seed=not seeds)
+    runtime.add_common_args(parser, seed=not seeds)
 
 
 def check_training_args(args: argparse.Namespace) -> None:
     """`--method` names methods of the registry; `--density` is in (0, 1]."""
-    _methods.parse(args.method)
+    registry.parse(args.method)
     if not 0 < args.density <= 1:
         raise ValueError(f"--density {args.density}: must be in (0, 1]")
 
 
-def configured(name: str, args: argparse.Namespace) -> _methods.Spec:
+def configured(name: str, args: argparse.Namespace) -> registry.Spec:
     """The registry's method `name` with this run's flags: `--density` for lags and slgs,
     and TernGrad keeping the small CNN's last layer in float."""
-    spec = _methods.METHODS[name]
+    spec = registry.METHODS[name]
     if name in ("lags", "slgs"):
         return spec.configured(density=args.density)
     if name == "terngrad":
-        return spec.configured(dense=_tasks.CNN_FLOAT_LEAVES)
+        return spec.configured(dense=tasks.CNN_FLOAT_LEAVES)
     return spec
 
 
 def run_methods(
-    args: argparse.Namespace, name: str, stamp: _provenance.Stamp
-) -> list[_loop.RunResult]:
+    args: argparse.Namespace, name: str, stamp: provenance.Stamp
+) -> list[loop.RunResult]:
     """Trains the small CNN with each of `args.method`, once per seed (`--seeds`, or the one
     `--seed`): in each seed every method gets the same data split (digits is split with the
     seed), initial params, data order and optimizer.
@@ -85,27 +80,27 @@ def run_methods(
     accuracy), `name`_bytes.png (accuracy against bytes, the Pareto front marked) and
     `name`.md to `args.out` (from process 0). Returns the runs, seed by seed.
     """
-    names = _methods.parse(args.method)
-    seeds = _runtime.seed_list(args) if hasattr(args, "seeds") else [args.seed]
-    devices = _runtime.setup(args)
+    names = registry.parse(args.method)
+    seeds = runtime.seed_list(args) if hasattr(args, "seeds") else [args.seed]
+    devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
-    main = _runtime.is_main_process()
+    main = runtime.is_main_process()
     results, run_seeds = [], []
     for seed in seeds:
-        data = _data.load_dataset(args.dataset, args.data_dir, seed)
-        task = _tasks.classification_task(_tasks.small_cnn(data.num_classes), data)
+        data = datasets.load_dataset(args.dataset, args.data_dir, seed)
+        task = tasks.classification_task(tasks.small_cnn(data.num_classes), data)
         if main and seed == seeds[0]:
             print(
-                f"gradcomm {gradcomm.__version__}: {_runtime.describe(devices)}; "
+                f"gradcomm {gradcomm.__version__}: {runtime.describe(devices)}; "
                 f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test; "
-                f"{_report.count(len(seeds), 'seed')}"
+                f"{report.count(len(seeds), 'seed')}"
             )
         steps = args.epochs * len(task.batches(len(devices) * args.batch_size, seed, 0))
         for method in names:
-            inner = _methods.optimizer(args.optimizer, args.lr, steps, args.schedule)
+            inner = registry.optimizer(args.optimizer, args.lr, steps, args.schedule)
             spec = configured(method, args)
-            built = _methods.build(spec, inner)
-            result = _loop.train_as_flagged(args, built, task, mesh, seed=seed)
+            built = registry.build(spec, inner)
+            result = loop.train_as_flagged(args, built, task, mesh, seed=seed)
             results.append(result)
             run_seeds.append(seed)
             if main:
@@ -114,11 +109,11 @@ def run_methods(
                     f"{100 * result.test_accuracy:.2f}% in {result.wall_seconds:.1f}s"
                 )
     if main:
-        summary = _report.summarize(results)
+        summary = report.summarize(results)
         means = [(s["bytes_per_step"], s["test_accuracy"]["mean"]) for s in summary]
-        on_front = sorted(_report.pareto_front(means), key=means.__getitem__)
+        on_front = sorted(report.pareto_front(means), key=means.__getitem__)
         front = [summary[i]["method"] for i in on_front]  # from the fewest bytes
-        table = _report.results_table(results)
+        table = report.results_table(results)
         image = 100 / len(data.x_test)
         if len(seeds) > 1:
             split = "split of digits, " if data.name == "digits" else ""
@@ -134,25 +129,25 @@ def run_methods(
                 f"with at least its accuracy, or as few with more): {', '.join(front)}."
             )
         setting = (
-            f"{data.name}, small CNN, {_report.count(len(devices), 'device')}, "
+            f"{data.name}, small CNN, {report.count(len(devices), 'device')}, "
             f"{args.optimizer} (lr {args.lr:g}, {args.schedule}), "
-            f"{_report.count(args.epochs, 'epoch')}, {_report.count(len(seeds), 'seed')}"
+            f"{report.count(args.epochs, 'epoch')}, {report.count(len(seeds), 'seed')}"
         )
         config = {**vars(args), "devices": len(devices), "processes": jax.process_count()}
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             name,
             config,
             results,
             table,
-            lambda fig: _report.plot_runs(results, fig),
+            lambda fig: report.plot_runs(results, fig),
             {"seeds": seeds, "summary": summary, "pareto_front": front},
             provenance=stamp.record(devices, seeds=seeds),
             title=f"Every method on the same task: {setting}",
             figures={
                 f"{name}_bytes": (
                     f"Accuracy against bytes on the wire\n{setting}",
-                    lambda fig: _report.plot_bytes(results, fig),
+                    lambda fig: report.plot_bytes(results, fig),
                 )
             },
             run_seeds=run_seeds,

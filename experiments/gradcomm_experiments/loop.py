@@ -9,17 +9,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _cli
-import _runtime
-import _tasks
 import jax
 import numpy as np
-from _methods import Method
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
 from gradcomm import parallel
+from gradcomm_experiments import cli, runtime, tasks
+from gradcomm_experiments.methods import Method
 
 
 @dataclasses.dataclass
@@ -103,7 +101,7 @@ def bytes_per_step(
 
 def train(
     method: Method,
-    task: _tasks.Task,
+    task: tasks.Task,
     mesh: jax.sharding.Mesh,
     *,
     epochs: int,
@@ -137,9 +135,7 @@ def train(
     eval_steps: list[int] = []
     eval_accuracy: list[float] = []
     start = time.perf_counter()
-    bar = _cli.progress(
-        total=epochs * len(first), desc=method.name, quiet=not progress, leave=False
-    )
+    bar = cli.progress(total=epochs * len(first), desc=method.name, quiet=not progress, leave=False)
     for epoch in range(epochs):
         for batch in task.batches(global_batch, seed, epoch):
             if probe is not None and len(losses) % probe_every == 0:
@@ -201,7 +197,7 @@ _FLAGS = {
 def train_as_flagged(
     args: argparse.Namespace,
     method: Method,
-    task: _tasks.Task,
+    task: tasks.Task,
     mesh: jax.sharding.Mesh,
     **settings: Any,
 ) -> RunResult:
@@ -210,5 +206,5 @@ def train_as_flagged(
     `--quiet`; `settings` (`train`'s keyword arguments) add to them or override them.
     """
     flagged = {key: getattr(args, flag) for key, flag in _FLAGS.items() if hasattr(args, flag)}
-    flagged["progress"] = _runtime.is_main_process() and not args.quiet
+    flagged["progress"] = runtime.is_main_process() and not args.quiet
     return train(method, task, mesh, **(flagged | settings))

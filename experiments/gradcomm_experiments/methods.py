@@ -1,13 +1,14 @@
 """The methods by name: the one registry that compare.py, the network benchmark and the model read.
 
 A display name ("allreduce", "lags-0.001", "dropping-local", ...) maps to a `Spec`, plain
-data: the gradcomm factory that makes the method, its keyword arguments, the
-`gradcomm.ParamsSync` that `parallel.train_step` runs after each step (if any), and where
-the transformation goes in the chain. `build` turns a spec into the `Method` the training
-loop runs; `Spec.describe()` is what the network benchmark writes into network.json and
-what `gradcomm.perfmodel` reads (`crossover_table(..., methods=rows())`), so the three
-speak one vocabulary. The gradcomm package never imports this module: the model is handed
-these rows by its caller.
+data: the gradcomm factory that makes the method, its keyword arguments, and the
+`gradcomm.ParamsSync` that `parallel.train_step` runs after each step (if any). Where the
+transformation goes in the chain, and whether devices hold different params, are the
+method's entry in `gradcomm.registry`; every registered method that no spec here runs is
+added under its factory's name (`specs`). `build` turns a spec into the `Method` the
+training loop runs; `Spec.describe()` is what the network benchmark writes into
+network.json and what `gradcomm.perfmodel` reads (`crossover_table(..., methods=rows())`),
+so the three speak one vocabulary.
 
 Each method goes where its paper puts it: the all-reduce before the optimizer (it averages
 gradients), Adasum after it (it combines each device's update, paper A.6), TernGrad before
@@ -27,6 +28,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gradcomm import registry
+
 if TYPE_CHECKING:
     import optax
 
@@ -45,9 +48,6 @@ class Spec:
       options: the factory's keyword arguments.
       sync: the `ParamsSync` run after each step, as its factory's name and keyword
         arguments (`{"name": "periodic_average", "every": 50}`); None for none.
-      first: whether the transformation goes before the inner optimizer (on gradients)
-        rather than after it (on the optimizer's updates).
-      per_device: whether devices hold different params.
       local: whether it averages over a host's devices first (`local_axis="local"`): the
         network benchmark runs it with 2 devices per host.
     """
@@ -56,9 +56,19 @@ class Spec:
     method: str
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sync: Mapping[str, Any] | None = None
-    first: bool = False
-    per_device: bool = False
     local: bool = False
+
+    @property
+    def first(self) -> bool:
+        """Whether the transformation goes before the inner optimizer (on gradients) rather
+        than after it (on the optimizer's updates): its registry entry's placement."""
+        return registry.METHODS[self.method].placement in ("before", "either")
+
+    @property
+    def per_device(self) -> bool:
+        """Whether devices hold different params: the method's, or its sync's, entry says."""
+        syncs = [] if self.sync is None else [registry.METHODS[self.sync["name"]]]
+        return any(m.per_device for m in (registry.METHODS[self.method], *syncs))
 
     def describe(self) -> dict[str, Any]:
         """The method as network.json records and `gradcomm.perfmodel` name it."""
@@ -85,7 +95,9 @@ class Spec:
         none."""
         if self.sync is not None:
             return self.sync["every"]
-        return self.options["every"] if self.method in ("local_sgd", "diloco") else None
+        if registry.METHODS[self.method].placement == "params":
+            return registry.METHODS[self.method].options(self.options)["every"]
+        return None
 
 
 _AVERAGE = {"name": "periodic_average", "every": 50}
@@ -93,41 +105,53 @@ _DROP = {"warmup_steps": 50}
 _HIERARCHICAL = {"local_axis": "local"}
 _PERMUTE = {"exchange": "permute"}
 # fmt: off
-METHODS: dict[str, Spec] = {s.label: s for s in (
-    Spec("allreduce", "allreduce", first=True),
+_SPECS = (
+    Spec("allreduce", "allreduce"),
     Spec("adasum", "adasum"),
     Spec("adasum-hierarchical", "adasum", _HIERARCHICAL, local=True),
     # Swaps as ppermutes: half speed on gloo's slow links, less CPU than the exchanges.
     Spec("adasum-permute", "adasum", _PERMUTE),
     Spec("adasum-hierarchical-permute", "adasum", _HIERARCHICAL | _PERMUTE, local=True),
-    Spec("terngrad", "terngrad", first=True),
+    Spec("terngrad", "terngrad"),
     Spec("lags", "lags", {"density": 0.01}),
     Spec("lags-0.001", "lags", {"density": 0.001}),
     Spec("slgs", "slgs", {"density": 0.01}),
-    Spec("dropping", "gradient_dropping", _DROP, first=True),
-    Spec("dropping-local", "gradient_dropping", {"local": "compensated", **_DROP}, _AVERAGE,
-         first=True, per_device=True),
-    Spec("local-sgd", "local_sgd", {"every": 20}, per_device=True),
-    Spec("sgp", "sgp", per_device=True),
-    Spec("osgp", "sgp", {"overlap": 1}, per_device=True),
-    Spec("dpsgd", "dpsgd", per_device=True),
-    Spec("powersgd", "powersgd", {"rank": 2}, first=True),
-    Spec("fp16", "low_precision", {"dtype": "float16"}, first=True),
+    Spec("dropping", "gradient_dropping", _DROP),
+    Spec("dropping-local", "gradient_dropping", {"local": "compensated", **_DROP}, _AVERAGE),
+    Spec("local-sgd", "local_sgd", {"every": 20}),
+    Spec("sgp", "sgp"),
+    Spec("osgp", "sgp", {"overlap": 1}),
+    Spec("dpsgd", "dpsgd"),
+    Spec("powersgd", "powersgd", {"rank": 2}),
+    Spec("fp16", "low_precision", {"dtype": "float16"}),
     # float16's other exchanges ("auto" on gloo is "pairwise" at N = 2, "ring" above): the
     # pairwise one at every N, one psum (gloo adds float16 slowly), and the bits through an
-    # all_to_all and an all_gather.
-    Spec("fp16-pairwise", "low_precision", {"dtype": "float16", "exchange": "pairwise"},
-         first=True),
-    Spec("fp16-psum", "low_precision", {"dtype": "float16", "exchange": "psum"}, first=True),
-    Spec("fp16-bits", "low_precision", {"dtype": "float16", "exchange": "bits"}, first=True),
-    Spec("bf16", "low_precision", {"dtype": "bfloat16"}, first=True),
-    Spec("diloco", "diloco", {"every": 20}, per_device=True),
-)}
+    # all_to_all and an all_gather ("fp16-bits": the label of the committed records, from
+    # before that exchange was renamed "all_to_all").
+    Spec("fp16-pairwise", "low_precision", {"dtype": "float16", "exchange": "pairwise"}),
+    Spec("fp16-psum", "low_precision", {"dtype": "float16", "exchange": "psum"}),
+    Spec("fp16-bits", "low_precision", {"dtype": "float16", "exchange": "all_to_all"}),
+    Spec("bf16", "low_precision", {"dtype": "bfloat16"}),
+    Spec("diloco", "diloco", {"every": 20}),
+)
 # compare.py's methods: one of each kind, on the small CNN.
-COMPARE = ("allreduce", "adasum", "terngrad", "lags", "slgs", "dropping", "dropping-local",
-           "local-sgd", "sgp", "osgp", "dpsgd", "powersgd", "fp16", "diloco")
+_COMPARE = ("allreduce", "adasum", "terngrad", "lags", "slgs", "dropping", "dropping-local",
+            "local-sgd", "sgp", "osgp", "dpsgd", "powersgd", "fp16", "diloco")
 # fmt: on
 
+
+def specs() -> dict[str, Spec]:
+    """Every method by display name: the specs above, then each registered gradcomm method
+    that none of them runs (as its method or its sync), under its factory's name with its
+    factory's defaults."""
+    runs = {s.method for s in _SPECS} | {s.sync["name"] for s in _SPECS if s.sync}
+    new = [Spec(name, name) for name in registry.METHODS if name not in runs]
+    return {s.label: s for s in (*_SPECS, *new)}
+
+
+METHODS: dict[str, Spec] = specs()
+# compare.py's methods: one of each kind (a newly registered method included).
+COMPARE = _COMPARE + tuple(label for label in METHODS if label not in {s.label for s in _SPECS})
 # The network benchmark's rows: every method.
 NETWORK = tuple(METHODS)
 
@@ -204,11 +228,11 @@ def build(spec: Spec | str, opt: optax.GradientTransformation, axis: Any = "data
     import gradcomm
 
     spec = METHODS[spec] if isinstance(spec, str) else spec
-    made = getattr(gradcomm, spec.method)(axis, **spec.options)
+    made = registry.METHODS[spec.method].factory(axis, **spec.options)
     sync = None
     if spec.sync is not None:
         kwargs = {k: v for k, v in spec.sync.items() if k != "name"}
-        sync = getattr(gradcomm, spec.sync["name"])(axis, **kwargs)
+        sync = registry.METHODS[spec.sync["name"]].factory(axis, **kwargs)
     if isinstance(made, gradcomm.ParamsSync):  # local SGD: the plain optimizer, then the sync
         tx, sync = opt, made
     else:

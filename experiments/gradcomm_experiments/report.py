@@ -2,7 +2,7 @@
 
 Every plot draws a method in its `style`: one colour per method of compare.py (no two
 alike: the nearest pair is over 20 CIEDE2000 units apart) and one filled marker per method
-of the registry (`_methods.METHODS`), the same in every figure. A study run over several
+of the registry (`methods.METHODS`), the same in every figure. A study run over several
 seeds reports each method's mean and its min-max over the seeds (`summarize`). JAX is not
 imported here, so the network benchmark's driver draws with the same styles.
 """
@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from _methods import COMPARE, METHODS
+
+from gradcomm_experiments.methods import COMPARE, METHODS
 
 if TYPE_CHECKING:
-    from _loop import RunResult
+    from gradcomm_experiments.loop import RunResult
 
 # One colour per method of compare.py, in its order: black for the all-reduce baseline,
 # then 13 picked from Paul Tol's, Kelly's and matplotlib's tab10 qualitative colours for the

@@ -14,9 +14,10 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
-import _cli
-import _data
 import jax
+
+from gradcomm_experiments import cli
+from gradcomm_experiments import data as datasets
 
 
 def add_common_args(
@@ -42,7 +43,7 @@ def add_common_args(
         parser.add_argument(
             "--dataset",
             default="digits",
-            choices=_data.DATASETS,
+            choices=datasets.DATASETS,
             help="digits (bundled with scikit-learn), or mnist or cifar10 from --data-dir",
         )
         parser.add_argument(
@@ -58,7 +59,7 @@ def add_common_args(
         default="runs/" + pathlib.Path(sys.argv[0]).stem,
         help="output directory for JSON, PNG and Markdown",
     )
-    _cli.add_quiet(parser)
+    cli.add_quiet(parser)
 
 
 def positive_int(text: str) -> int:
@@ -83,12 +84,12 @@ def check_common(args: argparse.Namespace) -> None:
             raise ValueError(f"--dataset {args.dataset} needs --data-dir with its files")
         if not pathlib.Path(args.data_dir).is_dir():
             raise ValueError(f"--data-dir {args.data_dir}: no such directory")
-        _data.check_files(args.dataset, args.data_dir)
+        datasets.check_files(args.dataset, args.data_dir)
     for flag in ("epochs", "batch_size", "probe_every", "eval_every"):
         if getattr(args, flag, 1) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if hasattr(args, "seeds"):
-        _cli.comma_list(args.seeds, int, "--seeds")
+        cli.comma_list(args.seeds, int, "--seeds")
 
 
 def parse_args(
@@ -99,7 +100,7 @@ def parse_args(
     """`parser`'s flags, the shared ones checked, then each of `checks` (a `ValueError`
     from any of them exits with the parser's usage and the message)."""
     args = parser.parse_args(argv)
-    _cli.check(parser, args, check_common, *checks)
+    cli.check(parser, args, check_common, *checks)
     return args
 
 
@@ -136,7 +137,7 @@ def add_schedule_args(
 
 def seed_list(args: argparse.Namespace) -> list[int]:
     """The seeds of `--seeds`."""
-    return _cli.comma_list(args.seeds, int, "--seeds")
+    return cli.comma_list(args.seeds, int, "--seeds")
 
 
 def setup(args: argparse.Namespace) -> list[jax.Device]:

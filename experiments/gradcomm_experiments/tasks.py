@@ -7,11 +7,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import _data
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from gradcomm_experiments import data as datasets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def supervised_task(
         name=name,
         init=lambda key: model.init(key, x_train[:1])["params"],
         loss_fn=classification_loss(model),
-        batches=lambda global_batch, seed, epoch: _data.batches(
+        batches=lambda global_batch, seed, epoch: datasets.batches(
             x_train, y_train, global_batch, seed, epoch
         ),
         evaluate=evaluate,
@@ -95,12 +96,12 @@ def small_cnn(num_classes: int = 10) -> Any:
 CNN_FLOAT_LEAVES = ["Dense_1"]
 
 
-def classification_task(model: Any, data: _data.Dataset) -> Task:
+def classification_task(model: Any, data: datasets.Dataset) -> Task:
     """Image classification with `model` on `data`, tested on the test split."""
     return supervised_task(data.name, model, data.x_train, data.y_train, data.x_test, data.y_test)
 
 
 def cnn_task(args: argparse.Namespace) -> Task:
     """The small CNN on `--dataset` (from `--data-dir`), split with `--seed`."""
-    data = _data.load_dataset(args.dataset, args.data_dir, args.seed)
+    data = datasets.load_dataset(args.dataset, args.data_dir, args.seed)
     return classification_task(small_cnn(data.num_classes), data)

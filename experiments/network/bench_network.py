@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Step time on an emulated network: every method against allreduce, on shaped links.
 
-    sudo python experiments/bench_network.py                   # the default grid: ~45 min
-    python experiments/bench_network.py --nodes 2,4 --rates 100mbit,unshaped --steps 10
-    python experiments/bench_network.py --nodes 2 --methods allreduce --peer --threads 1
-    python experiments/bench_network.py --mesh tp,fsdp --nodes 2 --rates 100mbit,unshaped
+    sudo python experiments/network/bench_network.py                   # the default grid: ~45 min
+    python experiments/network/bench_network.py --nodes 2,4 --rates 100mbit,unshaped --steps 10
+    python experiments/network/bench_network.py --nodes 2 --methods allreduce --peer --threads 1
+    python experiments/network/bench_network.py --mesh tp,fsdp --nodes 2 --rates 100mbit,unshaped
     # How long a run takes depends on its grid: it grows with the node counts, rates,
     # methods, --steps and --runs, and the 100mbit cells take longest. The ~45 min of the
     # default grid (N = 2, 4; unshaped, 1gbit, 100mbit; every method; 20 steps) is an
@@ -14,10 +14,11 @@
 
 For each node count N and link rate, the script builds a cluster of N hosts (network
 namespaces joined by a bridge, each link shaped with tc's token bucket filter; see
-`_netcluster.py`), proves the shaping with plain TCP sockets, then starts one JAX process
-per host (gloo collectives over the shaped links, one CPU device each; `_networker.py`)
-that trains a ~4M-parameter MLP with Adam under `gradcomm.parallel.train_step` with every
-method of the registry (`_methods.py`). `_netreport.py` writes the records and tables.
+`gradcomm_experiments.network.cluster`), proves the shaping with plain TCP sockets, then
+starts one JAX process per host (gloo collectives over the shaped links, one CPU device
+each; `network.worker`) that trains a ~4M-parameter MLP with Adam under
+`gradcomm.parallel.train_step` with every method of the registry
+(`gradcomm_experiments.methods`). `network.report` writes the records and tables.
 
 For a power-of-two N the hosts' axis is factored into size-2 axes
 (`parallel.pairwise_axes`), so that the pairwise swaps of Adasum, SGP and D-PSGD run as
@@ -37,8 +38,8 @@ Meshes (`--mesh`, default flat): `tp` runs two CPU devices per host, the data ax
 the hosts and a model axis of 2 inside each, and trains the same MLP tensor-parallel (the
 first layer split by columns, the second by rows with a psum over the model axis); `fsdp`
 also splits every kernel over the data axis (ZeRO-3), so each method must reduce-scatter
-(allreduce's is a plain psum_scatter; the methods that can are `_netmesh.FSDP`'s). Each
-ratio is against allreduce on the same mesh in the same run; see `_netmesh.py`.
+(allreduce's is a plain psum_scatter; the methods that can are `network.mesh.FSDP`'s). Each
+ratio is against allreduce on the same mesh in the same run; see `network.mesh`.
 
 Allocator: by default (`--allocator retain`) the workers run with glibc's malloc told to
 keep and reuse freed memory (`RETAIN_TUNABLES`). XLA:CPU allocates each step's
@@ -51,8 +52,8 @@ defaults; each record says which ran.
 
 Peer rows (`--peer`, off by default; needs PyTorch, `pip install -e ".[peer]"`): after
 the JAX workers of a cell, on the same cluster and links, one PyTorch process per host
-(`_peerworker.py`) trains the same MLP (same widths, initial params and fixed batch,
-`_networker.mlp_init`) with Adam under DistributedDataParallel on gloo: without a
+(`network.peer`) trains the same MLP (same widths, initial params and fixed batch,
+`network.worker.mlp_init`) with Adam under DistributedDataParallel on gloo: without a
 communication hook (`torch-allreduce`, the peers' baseline), with `fp16_compress_hook`
 (`torch-fp16`) and with `powerSGD_hook` at rank 2 (`torch-powersgd`), the hooks of
 PyTorch's "DDP Communication Hooks" documentation. They are timed as the JAX rows are
@@ -65,7 +66,7 @@ rows compare their steps, compute included.
 
 Threads (`--threads K`): every worker process, JAX's and torch's, computes with K threads:
 XLA:CPU's intra-op pool is sized to K by the CPU affinity mask while the backend starts
-(`_networker.compute_threads`; the mask is restored afterwards), and torch takes
+(`network.worker.compute_threads`; the mask is restored afterwards), and torch takes
 `set_num_threads(K)` and `set_num_interop_threads(K)`. By default nothing is pinned: XLA
 uses a thread per CPU and torch its own default. On a machine with fewer cores than
 processes times threads, the processes still share the cores. Each record says which ran.
@@ -95,17 +96,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from gradcomm_experiments import cli, methods, provenance
+from gradcomm_experiments.network import cluster as netcluster
+from gradcomm_experiments.network import mesh as netmesh
+from gradcomm_experiments.network import report as netreport
 
-import _cli  # noqa: E402
-import _methods  # noqa: E402
-import _netcluster as netcluster  # noqa: E402
-import _netmesh  # noqa: E402
-import _netreport  # noqa: E402
-import _provenance  # noqa: E402
+# The worker processes, one per host: modules of the installed package, run with -m.
+WORKER = "gradcomm_experiments.network.worker"  # JAX: the methods, or raw collectives
+PEER_WORKER = "gradcomm_experiments.network.peer"  # PyTorch DDP (`--peer`)
 
-SEEDS = [0]  # the MLP's initial params and its fixed batch (`_networker.mlp_task`)
+SEEDS = [0]  # the MLP's initial params and its fixed batch (`network.worker.mlp_task`)
 
 # glibc malloc tunables (glibc >= 2.26) that keep freed memory mapped for reuse: one arena
 # (thread arenas return large blocks to the kernel), no mmap for large blocks, no trimming.
@@ -142,7 +142,7 @@ def peer_env(allocator: str, master: str, port: int) -> dict[str, str]:
 
 
 EXPERIMENTS_INSTALL = 'pip install -e ".[experiments]"'
-# What network.png needs beyond gradcomm's own dependencies (`_report.save_figure`).
+# What network.png needs beyond gradcomm's own dependencies (`report.save_figure`).
 PLOT_MODULES = ("matplotlib", "cycler")
 
 
@@ -213,12 +213,12 @@ def run_cell(
     nodes: int, rate: str, args: argparse.Namespace, *, peer: bool = False, **extra: Any
 ) -> tuple[dict[str, Any], list[float], dict[str, Any] | None]:
     """One cluster, one worker process per host: process 0's payload (`"results"`, the
-    `"devices"` the workers ran on as `_provenance.devices_info` gives them, and on a 2-D
+    `"devices"` the workers ran on as `provenance.devices_info` gives them, and on a 2-D
     mesh the `"mesh"`), the links, and with `peer` the PyTorch peer workers' payload
-    (`_peerworker.py`, run on the same cluster afterwards; else None).
+    (`network.peer`, run on the same cluster afterwards; else None).
 
     `extra` goes into the workers' config (`mode="patterns"` times raw collectives,
-    `mesh="tp"` or `"fsdp"` runs `_netmesh.worker`).
+    `mesh="tp"` or `"fsdp"` runs `network.mesh.worker`).
     """
     shaped = rate != netcluster.UNSHAPED
     runs = args.shaped_runs if shaped else args.runs
@@ -243,7 +243,7 @@ def run_cell(
                 "threads": args.threads,
                 **extra,
             }
-            argv = [sys.executable, __file__, "--worker", json.dumps(config)]
+            argv = [sys.executable, "-m", WORKER, json.dumps(config)]
             env = worker_env(args.allocator)
             procs.append(
                 cluster.popen(
@@ -260,7 +260,7 @@ def run_cell(
                 config = {"nodes": nodes, "process": i, "rate": rate, "params": args.params,
                           "steps": args.steps, "runs": runs, "threads": args.threads,
                           "timeout": args.timeout}  # fmt: skip
-                argv = [sys.executable, str(HERE / "_peerworker.py"), json.dumps(config)]
+                argv = [sys.executable, "-m", PEER_WORKER, json.dumps(config)]
                 procs.append(
                     cluster.popen(
                         i, argv, env=env, stdout=subprocess.PIPE,
@@ -273,17 +273,17 @@ def run_cell(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = _cli.make_parser(__doc__)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--nodes", default="2,4", help="comma-separated host counts")
     parser.add_argument(
         "--rates", default="unshaped,1gbit,100mbit", help="comma-separated tc rates or unshaped"
     )
     parser.add_argument(
         "--methods",
-        default=",".join(_methods.NETWORK),
+        default=",".join(methods.NETWORK),
         help="comma-separated rows (allreduce always runs as the baseline)",
     )
-    parser.add_argument("--mesh", default="flat", help=_netmesh.HELP)
+    parser.add_argument("--mesh", default="flat", help=netmesh.HELP)
     parser.add_argument(
         "--params",
         type=parameter_count,
@@ -320,10 +320,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--pattern-mib", type=float, default=16, help="MiB per device")
     parser.add_argument("--pattern-repeats", type=int, default=5, help="calls per pattern")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return args
     try:
         args.node_list = [int(n) for n in args.nodes.split(",")]
         args.rate_list = [r.strip() for r in args.rates.split(",")]
@@ -334,11 +331,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if min(args.node_list) < 2:
         parser.error("--nodes: every node count must be at least 2")
     try:
-        args.mesh_list = _netmesh.parse(args.mesh, args.node_list, args.patterns, args.peer)
+        args.mesh_list = netmesh.parse(args.mesh, args.node_list, args.patterns, args.peer)
     except ValueError as e:
         parser.error(str(e))
     try:
-        labels = _methods.parse(args.methods)
+        labels = methods.parse(args.methods)
     except ValueError as e:
         parser.error(str(e))
     args.labels = ["allreduce", *[m for m in labels if m != "allreduce"]]
@@ -360,7 +357,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def stamped(records: list[dict[str, Any]], stamp: _provenance.Stamp) -> list[dict[str, Any]]:
+def stamped(records: list[dict[str, Any]], stamp: provenance.Stamp) -> list[dict[str, Any]]:
     """The records, each with its provenance: its cell's devices, the run's wall time now;
     a peer row's also torch's version."""
     for r in records:
@@ -372,7 +369,7 @@ def stamped(records: list[dict[str, Any]], stamp: _provenance.Stamp) -> list[dic
 
 
 def measure_patterns(
-    args: argparse.Namespace, out: pathlib.Path, stamp: _provenance.Stamp
+    args: argparse.Namespace, out: pathlib.Path, stamp: provenance.Stamp
 ) -> list[dict[str, Any]]:
     """Times raw collectives per node count and rate; writes patterns.json and patterns.md."""
     records = []
@@ -387,19 +384,15 @@ def measure_patterns(
                      "mib": args.pattern_mib, "link_mbit_measured": link, "provenance": devices}
                 )  # fmt: skip
     (out / "patterns.json").write_text(json.dumps(stamped(records, stamp), indent=1))
-    text = _netreport.pattern_table(records, args.pattern_mib, args.pattern_repeats)
+    text = netreport.pattern_table(records, args.pattern_mib, args.pattern_repeats)
     (out / "patterns.md").write_text(text + "\n")
     print(text)
     return records
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    stamp = _provenance.start(argv)
+    stamp = provenance.start(argv)
     args = parse_args(argv)
-    if args.worker:
-        config = json.loads(args.worker)
-        _netmesh.run_worker(config)
-        return []
     problem = netcluster.root_problem()
     if problem:
         raise SystemExit(f"bench_network: {problem}")
@@ -407,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     if args.patterns:
         return measure_patterns(args, out, stamp)
-    plan = _netmesh.plan(args.mesh_list, args.labels)
+    plan = netmesh.plan(args.mesh_list, args.labels)
     records: list[dict[str, Any]] = []
     bytes_known: dict[tuple[str, int, str], dict[str, Any]] = {}
     start = time.perf_counter()
@@ -421,13 +414,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                     nodes, rate, args, labels=group, local=is_local, measure_bytes=bool(todo),
                     cache=cache, peer=args.peer and mesh == "flat" and not is_local, **extra,
                 )  # fmt: skip
-                cell = _netreport.records_of(
+                cell = netreport.records_of(
                     payload["results"], nodes, rate, links, is_local, bytes_known,
                     args.allocator, args.threads, mesh=payload.get("mesh"),
                 )  # fmt: skip
                 records += [{**r, "provenance": payload["devices"]} for r in cell]
                 if peers is not None:
-                    cell = _netreport.peer_records_of(
+                    cell = netreport.peer_records_of(
                         peers, nodes, rate, links, args.allocator, args.threads
                     )
                     device = {**peers["devices"], "torch": peers["torch"]}
@@ -438,12 +431,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         if r["framework"] == "jax":
             r.update(bytes_known.get((r["mesh"], r["nodes"], r["label"]), {}))
     (out / "network.json").write_text(json.dumps(stamped(records, stamp), indent=1))
-    text = _netreport.table(records, args.rate_list)
+    text = netreport.table(records, args.rate_list)
     elapsed = time.perf_counter() - start
     flags = " ".join(sys.argv[1:] if argv is None else argv)
-    command = f"python experiments/bench_network.py {flags}".strip()
+    command = f"python experiments/network/bench_network.py {flags}".strip()
     (out / "network.md").write_text(f"`{command}` ({elapsed / 60:.1f} min)\n\n{text}\n")
-    _netreport.plot(records, out / "network.png")
+    netreport.plot(records, out / "network.png")
     print(f"\n{text}\nwrote {out}/network.json, network.md, network.png")
     return records
 

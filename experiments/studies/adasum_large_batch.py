@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Adasum at large batch: accuracy against the number of devices, and gradient orthogonality.
 
-    python experiments/adasum_large_batch.py                  # N = 1..32, 32 simulated devices
-    python experiments/adasum_large_batch.py --sizes 1,2,4,8 --epochs 4
+    python experiments/studies/adasum_large_batch.py               # N = 1..32, 32 simulated devices
+    python experiments/studies/adasum_large_batch.py --sizes 1,2,4,8 --epochs 4
 
 The claim (Maleki et al., MLSys 2021, 5.2.3 and Fig. 4): with a fixed batch per device,
 an all-reduce needs its learning rate scaled with N (Goyal et al.'s linear rule) and loses
@@ -16,38 +16,32 @@ from __future__ import annotations
 
 import argparse
 
-import _cli
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import jax
 import numpy as np
 import optax
 
 import gradcomm
 from gradcomm import parallel
+from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--sizes", default="1,2,4,8,16,32", help="numbers of devices N")
     parser.add_argument("--lr", type=float, default=0.02, help="the small-batch learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    _runtime.add_schedule_args(parser, epochs=8, batch_size=4, probe_every=2, seeds=True)
-    _runtime.add_common_args(parser)
-    args = _runtime.parse_args(parser, argv, check_sizes)
-    sizes = sorted(set(_cli.comma_list(args.sizes, int, "--sizes")))
+    runtime.add_schedule_args(parser, epochs=8, batch_size=4, probe_every=2, seeds=True)
+    runtime.add_common_args(parser)
+    args = runtime.parse_args(parser, argv, check_sizes)
+    sizes = sorted(set(cli.comma_list(args.sizes, int, "--sizes")))
     args.devices = args.devices or max(sizes)
 
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     if max(sizes) > len(devices):
         raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
-    task = _tasks.cnn_task(args)
-    main_process = _runtime.is_main_process()
+    task = tasks.cnn_task(args)
+    main_process = runtime.is_main_process()
 
     def orthogonality(params: object, batch: object) -> object:
         grads = jax.grad(lambda p: task.loss_fn(p, batch)[0])(params)
@@ -57,12 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         paths = jax.tree_util.tree_flatten_with_path(tree)[0]
         return {jax.tree_util.keystr(p, simple=True, separator="/"): float(v) for p, v in paths}
 
-    seeds = _runtime.seed_list(args)
+    seeds = runtime.seed_list(args)
     results, rows = [], []
     for seed in seeds:
         for n in sizes:
             mesh = parallel.make_mesh(devices=devices[:n])
-            probe_fn = _loop.on_devices(mesh, orthogonality)
+            probe_fn = loop.on_devices(mesh, orthogonality)
             for name, tx in (
                 (
                     "allreduce",
@@ -73,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
                 probe = None
                 if name == "adasum" and n == max(sizes) and seed == seeds[0]:
                     probe = lambda p, s, b, f=probe_fn: {"orthogonality": named(f(p, b))}  # noqa: E731
-                method = _methods.Method(f"{name} N={n} seed={seed}", tx)
-                result = _loop.train_as_flagged(args, method, task, mesh, seed=seed, probe=probe)
+                method = methods.Method(f"{name} N={n} seed={seed}", tx)
+                result = loop.train_as_flagged(args, method, task, mesh, seed=seed, probe=probe)
                 results.append(result)
                 rows.append((seed, n, name, result.test_accuracy, len(result.losses)))
                 if main_process:
@@ -93,12 +87,12 @@ def main(argv: list[str] | None = None) -> None:
             cells = []
             for name in ("allreduce", "adasum"):
                 acc = 100 * np.array([a for _, m, k, a, _ in rows if m == n and k == name])
-                cells.append(_report.mean_range(acc.mean(), acc.min(), acc.max(), 2, "%"))
+                cells.append(report.mean_range(acc.mean(), acc.min(), acc.max(), 2, "%"))
             steps = next(s for _, m, _, _, s in rows if m == n)
             table.append(f"| {n} | {n * args.batch_size} | {steps} | {cells[0]} | {cells[1]} |")
         table = "\n".join(table)
         probed = next(r for r in results if r.probes)
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             "adasum_large_batch",
             vars(args),
@@ -114,19 +108,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_sizes(args: argparse.Namespace) -> None:
     """Every N of `--sizes` is at least 1, and `--devices` (if given) holds the largest."""
-    sizes = _cli.comma_list(args.sizes, int, "--sizes")
+    sizes = cli.comma_list(args.sizes, int, "--sizes")
     if min(sizes) < 1:
         raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
     if args.devices is not None and args.devices < max(sizes):
         raise ValueError(f"--sizes up to {max(sizes)} needs --devices {max(sizes)} or more")
 
 
-def plot(fig: object, sizes: list[int], rows: list[tuple], probed: _loop.RunResult) -> None:
+def plot(fig: object, sizes: list[int], rows: list[tuple], probed: loop.RunResult) -> None:
     left, right = fig.subplots(1, 2)
     for name in ("allreduce", "adasum"):
         acc = np.array([[100 * a for _, m, k, a, _ in rows if m == n and k == name] for n in sizes])
         label = name + (" (lr x N)" if name == "allreduce" else " (lr)")
-        kw = _report.style(name)
+        kw = report.style(name)
         left.plot(sizes, acc.mean(1), label=label, **kw)
         left.fill_between(sizes, acc.min(1), acc.max(1), color=kw["color"], alpha=0.15)
     left.set(

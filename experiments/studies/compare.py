@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """gradcomm's main job: every method on the same task, side by side.
 
-    python experiments/compare.py                      # digits, 8 simulated devices, 3 seeds
-    python experiments/compare.py --seeds 0 --epochs 5 --devices 4   # quicker
-    python experiments/compare.py --dataset cifar10 --data-dir ~/data
+    python experiments/studies/compare.py                     # digits, 8 simulated devices, 3 seeds
+    python experiments/studies/compare.py --seeds 0 --epochs 5 --devices 4   # quicker
+    python experiments/studies/compare.py --dataset cifar10 --data-dir ~/data
 
 For each method, in the place its paper puts it in the optimizer chain, run once per seed
 of --seeds (each seed splits digits, initializes the model and orders the batches its own
@@ -20,12 +20,11 @@ training, sends 0 bytes, and the outputs say so.
 
 from __future__ import annotations
 
-import _compare
-import _methods
+from gradcomm_experiments import compare, methods
 
 
 def main(argv: list[str] | None = None) -> None:
-    _compare.main(__doc__, argv, "compare", methods=",".join(_methods.COMPARE), seeds=True)
+    compare.main(__doc__, argv, "compare", methods=",".join(methods.COMPARE), seeds=True)
 
 
 if __name__ == "__main__":

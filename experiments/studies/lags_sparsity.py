@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """LAGS-SGD: Assumption 1 during training, Dense vs SLGS vs LAGS, and the eq. 18 planner.
 
-    python experiments/lags_sparsity.py                     # 8 simulated devices
-    python experiments/lags_sparsity.py --densities 0.01 --epochs 5
+    python experiments/studies/lags_sparsity.py                     # 8 simulated devices
+    python experiments/studies/lags_sparsity.py --densities 0.01 --epochs 5
 
 The claims (Shi et al., ECAI 2020, Fig. 2 and Table 1): delta(l) (eq. 20), the ratio of
 the error of the devices' summed top-k to the expected error of a random-k of the sum,
@@ -18,38 +18,32 @@ from __future__ import annotations
 
 import argparse
 
-import _cli
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import jax
 import numpy as np
 import optax
 
 import gradcomm
 from gradcomm import parallel
+from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--densities", default="0.001,0.01", help="k/d, comma-separated")
     parser.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (constant)")
-    _runtime.add_schedule_args(parser, epochs=20, batch_size=16, probe_every=5)
+    runtime.add_schedule_args(parser, epochs=20, batch_size=16, probe_every=5)
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
     parser.add_argument("--bandwidth", type=float, default=1.25e8, help="bytes per second")
-    _runtime.add_common_args(parser)
-    args = _runtime.parse_args(parser, argv, check_densities)
-    densities = _cli.comma_list(args.densities, float, "--densities")
+    runtime.add_common_args(parser)
+    args = runtime.parse_args(parser, argv, check_densities)
+    densities = cli.comma_list(args.densities, float, "--densities")
 
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    task = _tasks.cnn_task(args)
-    main_process = _runtime.is_main_process()
+    task = tasks.cnn_task(args)
+    main_process = runtime.is_main_process()
 
     init = task.init(jax.random.key(args.seed))
     local_batch = task.batches(args.batch_size, args.seed, 0)[0]
@@ -59,13 +53,13 @@ def main(argv: list[str] | None = None) -> None:
         backward, sizes, num_devices=n, latency=args.latency, bandwidth=args.bandwidth
     )
 
-    def delta_probe(density: object) -> _loop.Probe:
+    def delta_probe(density: object) -> loop.Probe:
         def deltas(params: object, batch: object, residual: object) -> object:
             grads = jax.grad(lambda p: task.loss_fn(p, batch)[0])(params)
             acc = jax.tree.map(lambda r, g: r - args.lr * g, residual, grads)
             return gradcomm.lags_delta(acc, density, "data")
 
-        run = _loop.on_devices(mesh, deltas)
+        run = loop.on_devices(mesh, deltas)
         return lambda p, s, b: {"delta": _named(run(p, b, s[1].residual))}
 
     runs = [("dense", optax.chain(gradcomm.allreduce("data"), optax.sgd(args.lr)), None)]
@@ -83,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name, tx, density in runs:
         probe = delta_probe(density) if density is not None else None
-        result = _loop.train_as_flagged(args, _methods.Method(name, tx), task, mesh, probe=probe)
+        result = loop.train_as_flagged(args, methods.Method(name, tx), task, mesh, probe=probe)
         results.append(result)
         if main_process:
             worst = max((max(v.values()) for v in result.probes.get("delta", [])), default=None)
@@ -110,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         table.append(plan.table())
         table = "\n".join(table)
         probed = [r for r in results if r.probes.get("delta")]
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             "lags_sparsity",
             vars(args),
@@ -128,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_densities(args: argparse.Namespace) -> None:
     """Every density of `--densities` is in (0, 1]."""
-    densities = _cli.comma_list(args.densities, float, "--densities")
+    densities = cli.comma_list(args.densities, float, "--densities")
     if not all(0 < d <= 1 for d in densities):
         raise ValueError(f"--densities {args.densities}: every k/d must be in (0, 1]")
 
@@ -137,11 +131,11 @@ def run_style(name: str) -> dict[str, object]:
     """A run's style: dense as the all-reduce; "slgs d" and "lags d" as the registry's
     methods, hollow at a density other than the registry's; the plan as a variant of LAGS."""
     if name == "dense":
-        return _report.style("allreduce")
+        return report.style("allreduce")
     method, _, density = name.partition(" ")
-    registry = _methods.METHODS[method].options["density"]
+    registry = methods.METHODS[method].options["density"]
     variant = 2 if density == "plan" else int(float(density) != registry)
-    return _report.style(method, variant)
+    return report.style(method, variant)
 
 
 def _delta_table(results: list, sizes: dict[str, int]) -> list[str]:

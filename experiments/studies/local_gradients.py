@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Gradient dropping with local gradients on a Transformer and an LSTM (synthetic seq2seq).
 
-    python experiments/local_gradients.py                   # 8 simulated devices, 3 seeds
-    python experiments/local_gradients.py --models lstm --seeds 0 --epochs 2
-    python experiments/local_gradients.py --task reverse --lr 2e-3
+    python experiments/studies/local_gradients.py                   # 8 simulated devices, 3 seeds
+    python experiments/studies/local_gradients.py --models lstm --seeds 0 --epochs 2
+    python experiments/studies/local_gradients.py --task reverse --lr 2e-3
 
 The claims (Aji, Heafield and Bogoychev, EMNLP 2019, Table 1 and Fig. 1): dropping 99% of
 each gradient (with error feedback) damages the Transformer far more than the RNN, and so
@@ -21,13 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import _cli
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -35,6 +28,8 @@ import numpy as np
 import optax
 
 from gradcomm import parallel
+from gradcomm_experiments import cli, loop, provenance, report, runtime, tasks
+from gradcomm_experiments import methods as registry
 
 METHODS = ("allreduce", "dropping", "local-sgd", "dropping-local")
 
@@ -98,7 +93,7 @@ TASKS = {"max": neighbour_max, "reverse": reverse}
 
 def sequence_task(
     model: nn.Module, target: str, vocab: int, length: int, train: int, test: int, seed: int
-) -> _tasks.Task:
+) -> tasks.Task:
     """Map random token sequences to `TASKS[target]` of them; held-out token accuracy."""
     rng = np.random.default_rng(seed)
     x_train = rng.integers(0, vocab, (train, length)).astype(np.int32)
@@ -106,13 +101,13 @@ def sequence_task(
     y_train = TASKS[target](x_train, vocab).astype(np.int32)
     y_test = TASKS[target](x_test, vocab).astype(np.int32)
     name = f"{target}: {length} tokens of {vocab}"
-    return _tasks.supervised_task(name, model, x_train, y_train, x_test, y_test)
+    return tasks.supervised_task(name, model, x_train, y_train, x_test, y_test)
 
 
-def configured(method: str, args: argparse.Namespace) -> _methods.Spec:
+def configured(method: str, args: argparse.Namespace) -> registry.Spec:
     """The registry's `method` with the study's flags: the drop ratio and its warm-up for
     gradient dropping, and the periods of parameter and federated averaging."""
-    spec = _methods.METHODS[method]
+    spec = registry.METHODS[method]
     if spec.method == "gradient_dropping":
         spec = spec.configured(drop_ratio=args.drop_ratio, warmup_steps=args.warmup_steps)
     if spec.method == "local_sgd":
@@ -121,19 +116,19 @@ def configured(method: str, args: argparse.Namespace) -> _methods.Spec:
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--models", default="transformer,lstm", help="transformer and/or lstm")
     parser.add_argument("--task", default="max", choices=sorted(TASKS), help="target")
     parser.add_argument(
         "--methods",
         default=",".join(METHODS),
-        help=f"comma-separated, from {', '.join(_methods.METHODS)}",
+        help=f"comma-separated, from {', '.join(registry.METHODS)}",
     )
     parser.add_argument("--vocab", type=int, default=16, help="tokens in the vocabulary")
     parser.add_argument("--length", type=int, default=12, help="tokens per sequence")
     parser.add_argument("--train-size", type=int, default=16384, help="training sequences")
-    _runtime.add_schedule_args(parser, epochs=3, batch_size=16, seeds=True)
+    runtime.add_schedule_args(parser, epochs=3, batch_size=16, seeds=True)
     parser.add_argument("--lr", type=float, default=1e-2, help="peak Adam learning rate")
     parser.add_argument("--drop-ratio", type=float, default=0.99, help="gradient dropping")
     parser.add_argument("--warmup-steps", type=int, default=100, help="drop-ratio warm-up")
@@ -143,18 +138,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--target", type=float, default=0.9, help="token accuracy for the steps-to-target column"
     )
-    _runtime.add_common_args(parser, data=False, seed=False)
-    args = _runtime.parse_args(parser, argv, check_models_and_methods)
-    models = _cli.comma_list(args.models, str, "--models")
-    methods = _methods.parse(args.methods)
+    runtime.add_common_args(parser, data=False, seed=False)
+    args = runtime.parse_args(parser, argv, check_models_and_methods)
+    models = cli.comma_list(args.models, str, "--models")
+    methods = registry.parse(args.methods)
 
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    main_process = _runtime.is_main_process()
+    main_process = runtime.is_main_process()
     steps = args.epochs * (args.train_size // (n * args.batch_size))
 
-    seeds = _runtime.seed_list(args)
+    seeds = runtime.seed_list(args)
     results, rows = [], []
     for seed in seeds:
         for model_name in models:
@@ -170,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                 schedule = optax.warmup_cosine_decay_schedule(0, args.lr, steps // 10, steps)
                 spec = configured(method, args)
                 spec = dataclasses.replace(spec, label=f"{model_name} {method}")
-                built = _methods.build(spec, optax.adam(schedule))
-                result = _loop.train_as_flagged(args, built, task, mesh, seed=seed)
+                built = registry.build(spec, optax.adam(schedule))
+                result = loop.train_as_flagged(args, built, task, mesh, seed=seed)
                 results.append(result)
                 rows.append((model_name, method, seed, result))
                 if main_process:
@@ -185,13 +180,13 @@ def main(argv: list[str] | None = None) -> None:
         table = "\n\n".join(
             [summary_table(models, methods, rows, args.target, steps, len(seeds))]
             + [
-                _report.results_table(
+                report.results_table(
                     [r for name, _, r in first if name == model_name], f"{model_name} allreduce"
                 )
                 for model_name in models
             ]
         )
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             "local_gradients",
             vars(args),
@@ -207,15 +202,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_models_and_methods(args: argparse.Namespace) -> None:
     """`--models` names transformer and/or lstm; `--methods` methods of the registry."""
-    unknown = set(_cli.comma_list(args.models, str, "--models")) - {"transformer", "lstm"}
+    unknown = set(cli.comma_list(args.models, str, "--models")) - {"transformer", "lstm"}
     if unknown:
         raise ValueError(
             f"unknown model(s): {', '.join(sorted(unknown))}; choose transformer, lstm"
         )
-    _methods.parse(args.methods)
+    registry.parse(args.methods)
 
 
-def steps_to(result: _loop.RunResult, target: float) -> int | None:
+def steps_to(result: loop.RunResult, target: float) -> int | None:
     """The first tested step at which token accuracy reached `target` (None: never)."""
     curve = zip(result.eval_steps, result.eval_accuracy, strict=True)
     return next((step for step, accuracy in curve if accuracy >= target), None)
@@ -240,7 +235,7 @@ def summary_table(
                 if None not in reached
                 else f"{reached.count(None)} of {len(runs)} not in {steps} steps"
             )
-            cells.append(_report.mean_range(acc.mean(), acc.min(), acc.max(), 2, "%") + f"; {when}")
+            cells.append(report.mean_range(acc.mean(), acc.min(), acc.max(), 2, "%") + f"; {when}")
         lines.append(f"| {model_name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
@@ -258,7 +253,7 @@ def plot(fig: object, models: list[str], methods: list[str], rows: list) -> None
             runs = [r for name, method, _, r in rows if (name, method) == (model_name, m)]
             curve = 100 * np.mean([r.eval_accuracy for r in runs], axis=0)
             every = max(1, len(curve) // 10)
-            ax.plot(runs[0].eval_steps, curve, label=m, markevery=every, **_report.style(m))
+            ax.plot(runs[0].eval_steps, curve, label=m, markevery=every, **report.style(m))
         ax.set(
             xlabel="step",
             ylabel="held-out token accuracy (%), mean over seeds",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """PowerSGD against the all-reduce: test accuracy and bytes on the wire for ranks 1, 2 and 4.
 
-    python experiments/powersgd_rank.py                     # 8 simulated devices, 5 seeds
-    python experiments/powersgd_rank.py --ranks 2 --seeds 0 --epochs 5
+    python experiments/studies/powersgd_rank.py                     # 8 simulated devices, 5 seeds
+    python experiments/studies/powersgd_rank.py --ranks 2 --seeds 0 --epochs 5
 
 The claim (Vogels, Karimireddy & Jaggi, NeurIPS 2019, Table 3): PowerSGD with rank 2,
 error feedback and a warm-started power iteration reaches the test accuracy of
@@ -22,19 +22,13 @@ from __future__ import annotations
 import argparse
 import math
 
-import _cli
-import _data
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import jax
 import numpy as np
 
 from gradcomm import parallel
 from gradcomm.powersgd import compresses, matrix_shape
+from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
+from gradcomm_experiments import data as datasets
 
 BASELINE = "allreduce"
 # The train/test split of the digits, the same for every seed of `--seeds`.
@@ -45,14 +39,14 @@ def label(rank: int) -> str:
     return f"powersgd rank {rank}"
 
 
-def spec(rank: int) -> _methods.Spec:
+def spec(rank: int) -> methods.Spec:
     """PowerSGD of `rank` as the registry's plain data: before the optimizer, on gradients."""
-    return _methods.Spec(label(rank), "powersgd", {"rank": rank}, first=True)
+    return methods.Spec(label(rank), "powersgd", {"rank": rank})
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--ranks", default="1,2,4", help="PowerSGD ranks r, comma-separated")
     parser.add_argument("--lr", type=float, default=0.2, help="peak learning rate, every method")
     parser.add_argument(
@@ -64,27 +58,27 @@ def main(argv: list[str] | None = None) -> None:
         default=1.0,
         help="points of test accuracy within which rank 2 counts as matching the all-reduce",
     )
-    _runtime.add_schedule_args(parser, epochs=20, batch_size=16, seeds=True)
+    runtime.add_schedule_args(parser, epochs=20, batch_size=16, seeds=True)
     parser.set_defaults(seeds="0,1,2,3,4")
-    _runtime.add_common_args(parser, seed=False)  # a study of several seeds: --seeds only
-    args = _runtime.parse_args(parser, argv, check_ranks)
-    ranks = sorted(set(_cli.comma_list(args.ranks, int, "--ranks")))
-    seeds = _runtime.seed_list(args)
+    runtime.add_common_args(parser, seed=False)  # a study of several seeds: --seeds only
+    args = runtime.parse_args(parser, argv, check_ranks)
+    ranks = sorted(set(cli.comma_list(args.ranks, int, "--ranks")))
+    seeds = runtime.seed_list(args)
 
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    data = _data.load_dataset(args.dataset, args.data_dir, SPLIT_SEED)
-    task = _tasks.classification_task(_tasks.small_cnn(data.num_classes), data)
-    main_process = _runtime.is_main_process()
+    data = datasets.load_dataset(args.dataset, args.data_dir, SPLIT_SEED)
+    task = tasks.classification_task(tasks.small_cnn(data.num_classes), data)
+    main_process = runtime.is_main_process()
     steps = args.epochs * len(task.batches(n * args.batch_size, seeds[0], 0))  # any seed's
-    specs = [_methods.METHODS[BASELINE], *(spec(r) for r in ranks)]
+    specs = [methods.METHODS[BASELINE], *(spec(r) for r in ranks)]
 
     results = []
     for seed in seeds:
         for s in specs:
-            inner = _methods.optimizer("momentum", args.lr, steps, args.schedule)
-            result = _loop.train_as_flagged(args, _methods.build(s, inner), task, mesh, seed=seed)
+            inner = methods.optimizer("momentum", args.lr, steps, args.schedule)
+            result = loop.train_as_flagged(args, methods.build(s, inner), task, mesh, seed=seed)
             results.append(result)
             if main_process:
                 print(
@@ -101,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{task.name}, small CNN, {n} devices, momentum SGD (lr {args.lr:g}, "
             f"{args.schedule}), {args.epochs} epochs, {len(seeds)} seed(s)"
         )
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             "powersgd_rank",
             {
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_ranks(args: argparse.Namespace) -> None:
     """Every rank of `--ranks` is at least 1; `--tolerance` is not negative."""
-    ranks = _cli.comma_list(args.ranks, int, "--ranks")
+    ranks = cli.comma_list(args.ranks, int, "--ranks")
     if min(ranks) < 1:
         raise ValueError(f"--ranks {args.ranks}: every rank must be at least 1")
     if args.tolerance < 0:
@@ -145,7 +139,7 @@ def payload(params: object, rank: int | None) -> int:
 
 
 def summarize(
-    specs: list[_methods.Spec], ranks: list[int], results: list, params: object, n: int
+    specs: list[methods.Spec], ranks: list[int], results: list, params: object, n: int
 ) -> list[dict]:
     """Per method: accuracy (mean, min, max, per seed) and its difference to the
     all-reduce's on the same seed, bytes measured and by formula, and the compression.
@@ -209,7 +203,7 @@ def _table(rows: list[dict], num_seeds: int) -> str:
             f"| {row['step_time_vs_allreduce']:.2f}x |"
         )  # fmt: skip
     if not rows[0]["bytes_per_step"]:
-        lines += ["", _report.ONE_DEVICE]
+        lines += ["", report.ONE_DEVICE]
     return "\n".join(lines)
 
 
@@ -257,25 +251,25 @@ def points(x: float) -> str:
 
 
 # Without PowerSGD in the registry: palette colours that stand out on white next to black.
-RANK_COLOURS = tuple(_report.PALETTE[i] for i in (1, 2, 4, 6, 7))
+RANK_COLOURS = tuple(report.PALETTE[i] for i in (1, 2, 4, 6, 7))
 
 
 def run_style(rank: int | None, ranks: list[int]) -> dict[str, object]:
     """The all-reduce as the registry draws it; the registry's PowerSGD rank as its
     `powersgd`, the other ranks as the study's variants of it (hollow, broken lines)."""
     if rank is None:
-        return _report.style(BASELINE)
-    registry = _methods.METHODS.get("powersgd")
+        return report.style(BASELINE)
+    registry = methods.METHODS.get("powersgd")
     default = registry.options.get("rank", 2) if registry is not None else 2
     others = [r for r in ranks if r != default]
     variant = 0 if rank == default else 1 + others.index(rank)
     if registry is not None:
-        return _report.style("powersgd", variant)
+        return report.style("powersgd", variant)
     colour = RANK_COLOURS[ranks.index(rank) % len(RANK_COLOURS)]
     return {
         "color": colour,
         "marker": ("v", "s", "D", "^", "P")[ranks.index(rank) % 5],
-        "linestyle": _report.LINESTYLES[variant % len(_report.LINESTYLES)],
+        "linestyle": report.LINESTYLES[variant % len(report.LINESTYLES)],
         "markerfacecolor": "white" if variant else colour,
         "markeredgecolor": colour,
     }

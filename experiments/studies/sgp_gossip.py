@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Stochastic Gradient Push against AllReduce, D-PSGD, overlap, biased overlap and hybrids.
 
-    python experiments/sgp_gossip.py                        # 8 simulated devices
-    python experiments/sgp_gossip.py --devices 16 --epochs 10
+    python experiments/studies/sgp_gossip.py                        # 8 simulated devices
+    python experiments/studies/sgp_gossip.py --devices 16 --epochs 10
 
 The claims (Assran et al., ICML 2019, Tables 3-4, Fig. 2): SGP trains about as well as an
 all-reduce while each device sends one message per step; 1-overlap SGP (1-OSGP) keeps
@@ -16,19 +16,13 @@ sgp_gossip.{json,png,md} to --out.
 
 from __future__ import annotations
 
-import _cli
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import numpy as np
 import optax
 from jax import lax
 
 import gradcomm
 from gradcomm import parallel
+from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
 
 
 def schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
@@ -45,18 +39,18 @@ def schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
-    _runtime.add_schedule_args(parser, epochs=30, batch_size=16, probe_every=5, seeds=True)
-    _runtime.add_common_args(parser)
-    args = _runtime.parse_args(parser, argv)
+    runtime.add_schedule_args(parser, epochs=30, batch_size=16, probe_every=5, seeds=True)
+    runtime.add_common_args(parser)
+    args = runtime.parse_args(parser, argv)
 
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
     n = len(devices)
-    task = _tasks.cnn_task(args)
-    main_process = _runtime.is_main_process()
+    task = tasks.cnn_task(args)
+    main_process = runtime.is_main_process()
     epoch = len(task.batches(n * args.batch_size, args.seed, 0))
     steps = args.epochs * epoch
     lr = schedule(args.lr, steps, warmup=2 * epoch)
@@ -66,33 +60,33 @@ def main(argv: list[str] | None = None) -> None:
 
     hybrid_steps = steps // 4
 
-    def gossip(name: str, **kwargs: object) -> _methods.Method:
-        return _methods.Method(name, optax.chain(inner(), gradcomm.sgp("data", **kwargs)), True)
+    def gossip(name: str, **kwargs: object) -> methods.Method:
+        return methods.Method(name, optax.chain(inner(), gradcomm.sgp("data", **kwargs)), True)
 
     runs = [
-        _methods.Method("allreduce", optax.chain(gradcomm.allreduce("data"), inner())),
+        methods.Method("allreduce", optax.chain(gradcomm.allreduce("data"), inner())),
         gossip("sgp"),
         gossip("sgp 2-peer", topology="exponential-2peer"),
-        _methods.Method("d-psgd", optax.chain(inner(), gradcomm.dpsgd("data")), True),
+        methods.Method("d-psgd", optax.chain(inner(), gradcomm.dpsgd("data")), True),
         gossip("1-osgp", overlap=1),
         gossip("biased 1-osgp", overlap=1, biased=True),
         # Bytes per step are those after the switch, when it gossips (wire's average).
         gossip(f"allreduce {hybrid_steps} steps, then sgp", allreduce_steps=hybrid_steps),
     ]
-    deviation = _loop.on_devices(
+    deviation = loop.on_devices(
         mesh,
         lambda p, b: lax.pmean(gradcomm.consensus_distance(p, "data"), "data"),
         per_device_params=True,
     )
 
-    seeds = _runtime.seed_list(args)
+    seeds = runtime.seed_list(args)
     results = []
     for seed in seeds:
         for method in runs:
             probe = None
             if method.per_device and seed == seeds[0]:
                 probe = lambda p, s, b: {"deviation": float(deviation(p, b))}  # noqa: E731
-            result = _loop.train_as_flagged(args, method, task, mesh, seed=seed, probe=probe)
+            result = loop.train_as_flagged(args, method, task, mesh, seed=seed, probe=probe)
             results.append(result)
             if main_process:
                 print(
@@ -102,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if main_process:
         table = _table([m.name for m in runs], results, len(seeds), 3 * steps // 4)
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             "sgp_gossip",
             vars(args),
@@ -135,14 +129,14 @@ def _table(names: list[str], results: list, num_seeds: int, last_quarter: int) -
         d = rs[0].probes.get("deviation")
         last = [v for s, v in zip(rs[0].probe_steps, d or [], strict=False) if s >= last_quarter]
         rows.append(
-            f"| {name} | {_report.mean_range(acc.mean(), acc.min(), acc.max(), 2, '%')} "
+            f"| {name} | {report.mean_range(acc.mean(), acc.min(), acc.max(), 2, '%')} "
             f"| {loss:.4f} "
             f"| {rs[0].bytes_per_step:,.0f} "
             f"| {f'{rs[0].bytes_per_step / base_bytes:.3f}' if base_bytes else '-'} "
             f"| {time:.2f}x | " + (f"{np.mean(last):.2e} |" if last else "- |")
         )
     if not base_bytes:
-        rows += ["", _report.ONE_DEVICE]
+        rows += ["", report.ONE_DEVICE]
     return "\n".join(rows)
 
 
@@ -159,7 +153,7 @@ STYLES = {
 
 def run_style(name: str) -> dict[str, object]:
     """The style of a run of this study (the hybrid: a variant of SGP)."""
-    return _report.style(*STYLES.get(name, ("sgp", 2)))
+    return report.style(*STYLES.get(name, ("sgp", 2)))
 
 
 def plot(fig: object, names: list[str], results: list, lr: optax.Schedule) -> None:

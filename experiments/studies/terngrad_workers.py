@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """TernGrad against the number of workers, with a fixed total batch; float as the baseline.
 
-    python experiments/terngrad_workers.py               # N = 1..16, 16 simulated devices
-    python experiments/terngrad_workers.py --sizes 1,4 --epochs 5
+    python experiments/studies/terngrad_workers.py               # N = 1..16, 16 simulated devices
+    python experiments/studies/terngrad_workers.py --sizes 1,4 --epochs 5
 
 The claims (Wen et al., NeurIPS 2017, Fig. 3 and Tables 1-2): ternary gradients with
 layer-wise scalars, scalar sharing and clipping at 2.5 standard deviations reach about the
@@ -16,13 +16,6 @@ from __future__ import annotations
 
 import argparse
 
-import _cli
-import _loop
-import _methods
-import _provenance
-import _report
-import _runtime
-import _tasks
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +24,7 @@ from jax import lax
 
 import gradcomm
 from gradcomm import parallel
+from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
 
 OPTIMIZERS = {"momentum": 0.02, "sgd": 0.3}  # learning rates chosen on the float runs alone
 VARIANTS = ("float", "terngrad", "terngrad-noclip")
@@ -45,23 +39,23 @@ def transformation(variant: str, opt: optax.GradientTransformation) -> optax.Gra
 
 
 def main(argv: list[str] | None = None) -> None:
-    stamp = _provenance.start(argv)
-    parser = _cli.make_parser(__doc__)
+    stamp = provenance.start(argv)
+    parser = cli.make_parser(__doc__)
     parser.add_argument("--sizes", default="1,2,4,8,16", help="numbers of devices N")
     parser.add_argument(
         "--total-batch", type=int, default=128, help="examples per step, all devices"
     )
-    _runtime.add_schedule_args(parser, epochs=20)
-    _runtime.add_common_args(parser)
-    args = _runtime.parse_args(parser, argv, check_sizes)
-    sizes = sorted(set(_cli.comma_list(args.sizes, int, "--sizes")))
+    runtime.add_schedule_args(parser, epochs=20)
+    runtime.add_common_args(parser)
+    args = runtime.parse_args(parser, argv, check_sizes)
+    sizes = sorted(set(cli.comma_list(args.sizes, int, "--sizes")))
     args.devices = args.devices or max(sizes)
 
-    devices = _runtime.setup(args)
+    devices = runtime.setup(args)
     if max(sizes) > len(devices):
         raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
-    task = _tasks.cnn_task(args)
-    main_process = _runtime.is_main_process()
+    task = tasks.cnn_task(args)
+    main_process = runtime.is_main_process()
 
     results, rows = [], []
     for n in sizes:
@@ -70,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             opt = optax.sgd(lr, momentum=0.9 if opt_name == "momentum" else None)
             for variant in VARIANTS:
                 tx = transformation(variant, opt)
-                method = _methods.Method(f"{variant} {opt_name} N={n}", tx)
-                result = _loop.train_as_flagged(
+                method = methods.Method(f"{variant} {opt_name} N={n}", tx)
+                result = loop.train_as_flagged(
                     args, method, task, mesh, batch_per_device=args.total_batch // n
                 )
                 results.append(result)
@@ -90,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             cells = " | ".join(f"{100 * acc[o, v]:.2f}%" for o in OPTIMIZERS for v in VARIANTS)
             table.append(f"| {n} | {args.total_batch // n} | {cells} |")
         table = "\n".join(table)
-        path = _report.write_study(
+        path = report.write_study(
             args.out,
             "terngrad_workers",
             vars(args),
@@ -107,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_sizes(args: argparse.Namespace) -> None:
     """Every N of `--sizes` is at least 1, divides `--total-batch` and fits `--devices`."""
-    sizes = _cli.comma_list(args.sizes, int, "--sizes")
+    sizes = cli.comma_list(args.sizes, int, "--sizes")
     if min(sizes) < 1:
         raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
     if any(args.total_batch % n for n in sizes):
@@ -124,7 +118,7 @@ STYLES = {
 }
 
 
-def layer_histogram(task: _tasks.Task, devices: list, args: argparse.Namespace) -> dict:
+def layer_histogram(task: tasks.Task, devices: list, args: argparse.Namespace) -> dict:
     """Fig. 2: one layer's gradient on device 0 before and after clipping, ternarized, averaged.
 
     Taken after two epochs of float training with momentum SGD, on all the devices.
@@ -148,10 +142,10 @@ def layer_histogram(task: _tasks.Task, devices: list, args: argparse.Namespace) 
             "averaged": mean,
         }
 
-    snapshot = _loop.on_devices(mesh, views)
+    snapshot = loop.on_devices(mesh, views)
     epoch = len(task.batches(args.total_batch, args.seed, 0))
-    run = _loop.train(
-        _methods.Method("float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))),
+    run = loop.train(
+        methods.Method("float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))),
         task,
         mesh,
         epochs=3,
@@ -177,7 +171,7 @@ def plot(fig: object, sizes: list[int], rows: list[tuple], histogram: dict) -> N
     for ax, opt_name in zip(axes[:2], OPTIMIZERS, strict=True):
         for variant in VARIANTS:
             acc = [100 * a for m, o, v, a in rows if o == opt_name and v == variant]
-            ax.plot(sizes, acc, label=variant, **_report.style(*STYLES[variant]))
+            ax.plot(sizes, acc, label=variant, **report.style(*STYLES[variant]))
         ax.set(
             xscale="log",
             xlabel="workers N (fixed total batch)",

@@ -19,7 +19,7 @@ How gradcomm computes it:
   the buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
 * Every swap is between two devices, i and i ^ 2^j. Over a mesh axis factored into size-2
   axes they differ in one axis, and the swap can be a two-member reduce-scatter over it
-  (`exchange="pairwise"`, `_collectives.exchange`), which gloo runs at full speed both ways; the
+  (`exchange="pairwise"`, `_collectives.swap`), which gloo runs at full speed both ways; the
   final gather is then reverse doubling, one exchange per axis. Same bits, same bytes.
 * Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
   devices that hold slices of the pair) gathers and sums them, and a second pass
@@ -41,6 +41,7 @@ The code: `gradcomm.adasum._pair` (the operator on fused buffers and its numeric
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -48,9 +49,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _numeric, _shards
+from gradcomm import _axes, _checks, _flat, _numeric, _shards, _transform, perfmodel, registry
 from gradcomm.adasum import _rvhdd
 from gradcomm.adasum._pair import pair
+
+__all__ = ["AdasumState", "adasum", "adasum_pair", "adasum_reduce", "orthogonality"]
 
 
 class AdasumState(NamedTuple):
@@ -103,8 +106,23 @@ def adasum_reduce(
       eq. 8 (operator), eq. 9 (recursion), Algorithm 1 (ADASUM_RVHDD), section 3.5.
     """
     _axes.check_exchange(exchange)
-    every_axis = _axes.axis_names(axis_name) + _axes.axis_names(local_axis or ())
-    _checks.check_updates(tree, every_axis, "adasum")
+    _checks.check_updates(tree, _every_axis(axis_name, local_axis), "adasum")
+    return _combine(tree, axis_name, local_axis, exchange)
+
+
+def _every_axis(axis_name: _axes.AxisName, local_axis: _axes.AxisName | None) -> tuple[str, ...]:
+    """The axes the updates are combined over: `axis_name`, then `local_axis`'s."""
+    return _axes.axis_names(axis_name) + _axes.axis_names(local_axis or ())
+
+
+def _combine(
+    tree: Any,
+    axis_name: _axes.AxisName,
+    local_axis: _axes.AxisName | None,
+    exchange: _axes.Exchange,
+) -> Any:
+    """`adasum_reduce` of updates already checked (by it, or by `adasum`'s frame)."""
+    every_axis = _every_axis(axis_name, local_axis)
     in_tree = 1 << (_axes.axis_size(axis_name).bit_length() - 1)
     per_node = 1 if local_axis is None else _axes.axis_size(local_axis)
     index = _axes.axis_index(axis_name)
@@ -189,7 +207,7 @@ def orthogonality(
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     sums = jax.tree_util.tree_leaves(combined)
     shards = [_shards.shard_axes(x, axis_name, "orthogonality") for x in leaves]
-    wide = [x.astype(_axes.compute_dtype(x.dtype)) for x in leaves]
+    wide = [x.astype(_numeric.compute_dtype(x.dtype)) for x in leaves]
     ct = jnp.result_type(*wide) if wide else jnp.float32
     maxima = jnp.stack([jnp.max(jnp.abs(x), initial=0).astype(ct) for x in wide])
     maxima = _shards.reduce_per_leaf(lax.pmax(maxima, axis_name), shards, lax.pmax)
@@ -259,12 +277,26 @@ def adasum(
         del params
         return AdasumState()
 
-    @jax.named_scope("gradcomm.adasum")
-    def update_fn(
-        updates: Any, state: AdasumState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, AdasumState]:
-        del state, params, extra_args
-        updates = adasum_reduce(updates, axis_name, local_axis=local_axis, exchange=exchange)
-        return updates, AdasumState()
+    def step(updates: Any, state: AdasumState, params: Any) -> tuple[Any, AdasumState]:
+        del state, params
+        return _combine(updates, axis_name, local_axis, exchange), AdasumState()
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    checked = _every_axis(axis_name, local_axis)
+    return _transform.transformation("adasum", axis_name, init_fn, step, checked_axes=checked)
+
+
+def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:
+    """Fold to P = 2^m devices, m halving swaps (and their dot products), then a gather."""
+    del options
+    n, size, coll = s.nodes, s.size, perfmodel.Collective
+    p = 1 << (n.bit_length() - 1)
+    out = [coll("permute", n, size)] if n > p else []
+    for level in range(p.bit_length() - 1):
+        out += [coll("swap", 2, size / 2 ** (level + 1)), coll("allgather", n, 0)]
+    return [*out, coll("doubling_gather", n, n * size / p)]
+
+
+registry.register(registry.Method(
+    adasum, "after", title="Adasum", paper="Maleki et al., MLSys 2021", page="adasum",
+    collectives=_pattern, window="backward",
+))  # fmt: skip

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradcomm import _axes, _numeric
+from gradcomm import _numeric
 from gradcomm._flat import FlatLayout
 
 NUM_STATS = 5  # scale_a, scale_b, a.b, a.a, b.b per leaf
@@ -143,7 +143,7 @@ def pair(
         `gradcomm._shards`): every device of them holds a piece of each leaf, and their
         stats join the members', so the coefficients are the whole tensors'.
     """
-    ct = _axes.compute_dtype(own.dtype)
+    ct = _numeric.compute_dtype(own.dtype)
     stats = local_stats(own, other, layout, ct)
     stats = jnp.where(own_is_b, stats[_SWAP_STATS], stats)
     members = stats[None] if group is None else group(stats)

@@ -87,7 +87,7 @@ def reduce_buffer(
     every level the rows it keeps are the first half of its buffer and the rows it sends
     the second half, in the order its partner keeps them; after the last level it holds
     row i, and a gather gives every device the whole result, the same bits everywhere.
-    With `pairwise`, every swap and the final gather are `_collectives.exchange`s over
+    With `pairwise`, every swap and the final gather are `_collectives.swap`s over
     the size-2 axes.
 
     With `local_axis`, a reduce-scatter over the node leaves each local device the node's
@@ -119,7 +119,7 @@ def reduce_buffer(
         own_is_b = (index >> level) & 1 == 1
         with jax.named_scope("exchange"):
             if pairwise:
-                received = _collectives.exchange(send, axis_name, distance)
+                received = _collectives.swap(send, axis_name, distance)
             else:
                 pairs = [(i, i ^ distance) for i in range(in_tree)]
                 received = _collectives.ppermute(send, axis_name, pairs)

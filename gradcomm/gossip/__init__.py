@@ -19,6 +19,7 @@ where w stays 1.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _schedule, wire
+from gradcomm import _axes, _checks, _flat, _numeric, _transform, perfmodel, registry, wire
 from gradcomm import topology as topologies
 from gradcomm.gossip import _pushsum
 from gradcomm.gossip._pushsum import TopologySpec
@@ -73,7 +74,7 @@ class DpsgdState(NamedTuple):
 def _weight_dtype(params: Any) -> jax.typing.DTypeLike:
     """The push-sum weight's dtype: the widest accumulation dtype of the params (float64
     params keep a float64 weight; float32, bfloat16 and float16 ones a float32 one)."""
-    dtypes = [_axes.compute_dtype(jnp.result_type(p)) for p in jax.tree.leaves(params)]
+    dtypes = [_numeric.compute_dtype(jnp.result_type(p)) for p in jax.tree.leaves(params)]
     return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
@@ -158,7 +159,7 @@ def sgp(
         else:  # nothing in flight: no arrays (zero-size ones do not checkpoint)
             slots, slots_w = (), ()
         return SgpState(
-            count=_schedule.zero_count(),
+            count=_transform.zero_count(),
             weight=jnp.ones([], dtype),
             in_flight=slots,
             in_flight_weight=slots_w,
@@ -170,7 +171,7 @@ def sgp(
         w = jnp.ones([], state.weight.dtype) if biased else state.weight
 
         def scaled(z: jax.Array, u: jax.Array) -> jax.Array:
-            ct = _axes.compute_dtype(z.dtype)
+            ct = _numeric.compute_dtype(z.dtype)
             return (z.astype(ct) * w.astype(ct) + u.astype(ct)).astype(z.dtype)
 
         x = jax.tree.map(scaled, params, updates)
@@ -218,7 +219,7 @@ def sgp(
         divisor = jnp.ones([], new_w.dtype) if biased else new_w
 
         def unscaled(v: jax.Array) -> jax.Array:
-            ct = _axes.compute_dtype(v.dtype)
+            ct = _numeric.compute_dtype(v.dtype)
             return (v.astype(ct) / divisor.astype(ct)).astype(v.dtype)
 
         z_new = jax.tree.map(unscaled, x_new)
@@ -279,7 +280,7 @@ def dpsgd(
 
     def init_fn(params: Any) -> DpsgdState:
         del params
-        return DpsgdState(count=_schedule.zero_count())
+        return DpsgdState(count=_transform.zero_count())
 
     def step(
         updates: Any, state: DpsgdState, params: Any, graph: topologies.Topology, pairwise: bool
@@ -312,8 +313,40 @@ def consensus_distance(params: Any, axis_name: _axes.AxisName = "data") -> jax.A
     mean = lax.pmean(params, axis_name)
 
     def square(p: jax.Array, m: jax.Array) -> jax.Array:
-        ct = _axes.compute_dtype(p.dtype)
+        ct = _numeric.compute_dtype(p.dtype)
         return jnp.sum(jnp.square(p.astype(ct) - m.astype(ct)))
 
     squares = jax.tree.map(square, params, mean)
     return jnp.sqrt(sum(jax.tree.leaves(squares)))
+
+
+def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:
+    """Per phase of the graph, the model and the push-sum weight to each peer: a swap
+    where the peers send to each other, and a lone swap whose sum is all that is mixed
+    (no overlap) a pair's sum."""
+    graph = topologies.resolve(options["topology"], s.nodes)
+    share = 1 / graph.num_phases
+    out = []
+    for moves in graph.phases:
+        kinds = [
+            "swap" if all(move[j] == i for i, j in enumerate(move)) else "permute" for move in moves
+        ]
+        if kinds == ["swap"] and not options.get("overlap"):
+            kinds = ["pair_sum"]
+        out += [
+            perfmodel.Collective(k, s.nodes if k == "permute" else 2, s.size + 4, share)
+            for k in kinds
+        ]
+    return out
+
+
+registry.register(registry.Method(
+    sgp, "after", title="Stochastic Gradient Push", paper="Assran et al., ICML 2019",
+    page="gossip", collectives=_pattern, per_device=True,
+    window=lambda options: "step" if options["overlap"] > 0 else "none",
+))  # fmt: skip
+
+registry.register(registry.Method(
+    dpsgd, "after", title="D-PSGD", paper="Lian et al., NeurIPS 2017", page="gossip",
+    collectives=_pattern, per_device=True,
+))  # fmt: skip

@@ -1,9 +1,9 @@
 """The PushSum step over a topology, and the optax skeleton of the gossip methods.
 
 `mix` runs one phase of a `gradcomm.topology.Topology` on fused flat buffers (one
-collective per move and dtype); `transformation` wraps a method's step in the trace-time
-checks that `gradcomm.sgp` and `gradcomm.dpsgd` share. The methods are in
-`gradcomm.gossip`.
+collective per move and dtype); `transformation` wraps a method's step in the frame
+(`gradcomm._transform`), resolving the graph and the exchange mode that `gradcomm.sgp` and
+`gradcomm.dpsgd` share. The methods are in `gradcomm.gossip`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _collectives, wire
+from gradcomm import _axes, _collectives, _transform, wire
 from gradcomm import topology as topologies
 
 TopologySpec = topologies.Name | topologies.Topology | Callable[[int], topologies.Topology]
@@ -35,14 +35,14 @@ def mix(
     swaps every device i with i ^ d goes over the one size-2 axis that pairs them (see
     `_axes.use_pairwise`): a phase that is that one move and whose sum is all that is
     wanted is a two-member `psum`, the pair's sum, the same bits on both devices and on
-    gloo the fastest exchange; any other such move is a two-member `_collectives.exchange`. The
+    gloo the fastest exchange; any other such move is a two-member `_collectives.swap`. The
     rest are `ppermute`s.
     """
 
     def send(v: jax.Array, move: topologies.Move) -> jax.Array:
         distance = topologies.swap_distance(move) if pairwise else None
         if distance is not None:
-            return _collectives.exchange(v, axis_name, distance)
+            return _collectives.swap(v, axis_name, distance)
         return _collectives.ppermute(v, axis_name, list(enumerate(move)))
 
     def phase(moves: tuple[topologies.Move, ...]) -> tuple[Any, ...]:
@@ -83,19 +83,14 @@ def transformation(
     who: str, axis_name: _axes.AxisName, topology: TopologySpec, exchange: _axes.Exchange,
     init_fn: Callable[[Any], Any], step: Step,
 ) -> optax.GradientTransformationExtraArgs:  # fmt: skip
-    """The optax transformation of a gossip method: its update checks the arguments at
-    trace time, resolves the graph for the axis size and the exchange mode, and calls
-    `step(updates, state, params, graph, pairwise)`."""
+    """The optax transformation of a gossip method: `_transform.transformation`, which
+    requires params and checks the updates, around a step that resolves the graph for the
+    axis size and the exchange mode and calls `step(updates, state, params, graph,
+    pairwise)`."""
 
-    @jax.named_scope(f"gradcomm.{who}")
-    def update_fn(
-        updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, Any]:
-        del extra_args
-        _checks.require_params(params, who)
-        _checks.check_updates(updates, axis_name, who)
+    def gossip_step(updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
         graph = topologies.resolve(topology, _axes.axis_size(axis_name))
         pairwise = _axes.use_pairwise(axis_name, exchange, who)
         return step(updates, state, params, graph, pairwise)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _transform.transformation(who, axis_name, init_fn, gossip_step, needs_params=True)

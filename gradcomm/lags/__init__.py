@@ -9,9 +9,12 @@ magnitude, keeps the rest, and the devices average what was sent (eq. 5, Algorit
 The density k(l)/d(l) may differ per leaf; `lags_plan` picks it so that each leaf's
 communication hides behind the backward pass of the leaves after it (eq. 18).
 `slgs` is the single-layer baseline: one top-k over the whole flattened model.
-Diagnostics: `lags_delta` (Assumption 1, eq. 20) and `lags_speedup_bound` (eq. 19). The
-planner (`lags_plan`, `lags_profile`, `lags_speedup_bound`, `LagsPlan`) is
-`gradcomm.lags._plan`'s, re-exported here; the top-k, the exchange and error feedback are
+Diagnostics: `lags_delta` (Assumption 1, eq. 20) and `lags_speedup_bound` (eq. 19).
+
+Re-exported here: the planner (`lags_plan`, `lags_profile`, `lags_speedup_bound`,
+`LagsPlan`) is `gradcomm.lags._plan`'s, `slgs` and `SlgsState` are
+`gradcomm.lags._slgs`'s; what both methods do with `specs` (FSDP flags, tie orders) is
+`gradcomm.lags._specs`'s. The top-k, the exchange and error feedback are
 `gradcomm.sparse`'s.
 """
 
@@ -25,8 +28,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _flat, _leafwise, _packing, _shards, sparse
+from gradcomm import _axes, _checks, _numeric, _shards, registry, sparse
+from gradcomm.lags import _specs
 from gradcomm.lags._plan import LagsPlan, lags_plan, lags_profile, lags_speedup_bound
+from gradcomm.lags._slgs import SlgsState, slgs
 
 __all__ = [
     "Density",
@@ -44,12 +49,6 @@ __all__ = [
 
 class LagsState(NamedTuple):
     """State of `lags`: per leaf, what this device has not sent (the residual)."""
-
-    residual: Any
-
-
-class SlgsState(NamedTuple):
-    """State of `slgs`: per leaf, what this device has not sent (the residual)."""
 
     residual: Any
 
@@ -203,18 +202,14 @@ def lags(
     sparse.check_selector(selector)
     sparse.check_fsdp_topk(fsdp_topk, specs, "lags")
 
-    def step(
-        leaves: list[jax.Array],
-        names: list[str],
-        residuals: list[jax.Array],
-        fsdp: list[bool] | None = None,
-        leaf_specs: list[Any] | None = None,
-    ) -> tuple[list[jax.Array], list[jax.Array]]:
+    def init_fn(params: Any) -> LagsState:
+        return LagsState(residual=sparse.zero_residuals(params, specs, axis_name, "lags"))
+
+    def step(inputs: _specs.Inputs) -> tuple[list[jax.Array], list[jax.Array]]:
+        leaves, names, residuals, fsdp, leaf_specs = inputs
         n = _axes.axis_size(axis_name)
         densities = _leaf_densities(density, names)
         out, new_residuals = list(leaves), list(residuals)
-        fsdp = fsdp or [False] * len(leaves)
-        leaf_specs = leaf_specs or [None] * len(leaves)
         for i in (i for i, split in enumerate(fsdp) if split):
             sparse.check_whole_residual(residuals[i], leaves[i], n, "lags", names[i])
             out[i] = _shard_shaped(leaves[i], n)  # an empty leaf's (empty) shard
@@ -230,7 +225,7 @@ def lags(
                 spec = leaf_specs[i]  # given: ties in the whole leaf's row-major order
                 order = None
                 if spec is not None:
-                    order = [_whole_order(leaves[i], spec, axes, axis_name, "lags", names[i])]
+                    order = [_specs.whole_order(leaves[i], spec, axes, axis_name, "lags", names[i])]
                 picked = sparse.topk_over_shards([acc], [axes], k, selector, order)[0]
                 sent.append(picked)
                 kept = sparse.unsent(acc, picked.indices, residuals[i], unique_indices=False)
@@ -253,234 +248,13 @@ def lags(
             out[i] = mean.astype(leaves[i].dtype).reshape(out[i].shape)
         return out, new_residuals
 
-    if specs is None:
-        return _leafwise.with_residuals("lags", axis_name, LagsState, step)
-
-    # With specs: `_leafwise.with_residuals`' frame, with FSDP residuals and flags.
-    def init_fn(params: Any) -> LagsState:
-        return LagsState(residual=sparse.zero_residuals(params, specs, axis_name, "lags"))
-
-    @jax.named_scope("gradcomm.lags")
-    def update_fn(
-        updates: Any, state: LagsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, LagsState]:
-        del params, extra_args
-        _checks.check_updates(updates, axis_name, "lags")
-        leaves, names, treedef = _checks.named_leaves(updates)
-        fsdp = sparse.fsdp_leaves(specs, updates, names, axis_name, "lags")
-        leaf_specs = _shards.leaf_specs(specs, updates, "lags")
-        out, residuals = step(leaves, names, jax.tree.leaves(state.residual), fsdp, leaf_specs)
-        structure = jax.tree.structure(state.residual)
-        return jax.tree.unflatten(treedef, out), LagsState(
-            residual=jax.tree.unflatten(structure, residuals)
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _whole_order(
-    leaf: jax.Array,
-    spec: Any,
-    axes: tuple[str, ...],
-    axis_name: _axes.AxisName,
-    who: str,
-    name: str,
-    offset: int = 0,
-) -> jax.Array:
-    """`offset` plus each element's index in the whole row-major leaf, flat int32: an
-    `order` for `sparse.topk_over_shards` (`leaf`: this device's piece, shaped)."""
-    index = _shards.global_index(leaf, spec, axes, axis_name, who, name)
-    if index is None:  # a whole leaf: its own index
-        return jnp.arange(offset, offset + leaf.size, dtype=jnp.int32)
-    return (index.ravel() + jnp.uint32(offset)).astype(jnp.int32)
+    return _specs.with_specs("lags", axis_name, LagsState, init_fn, specs, step)
 
 
 def _shard_shaped(leaf: jax.Array, n: int) -> jax.Array:
     """The leading-dimension slice 0 of n of a whole FSDP leaf: its shard's shape and
     dtype (n divides the leading dimension: `sparse.check_whole_residual` checked)."""
     return leaf[: leaf.shape[0] // n]
-
-
-def slgs(
-    axis_name: _axes.AxisName = "data",
-    *,
-    density: float = 0.001,
-    selector: sparse.Selector = "sampled",
-    specs: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-    """SLGS-SGD, the single-layer baseline of LAGS: one top-k over the whole flattened model.
-
-    Like `lags`, but the k = round(density * D) entries (D the model's size) are chosen
-    across all leaves at once, so a leaf may send many entries or none. Leaves are joined in
-    their common dtype.
-
-    The whole model's order, which breaks ties at the threshold (ties go to lower
-    positions), is the concatenation of its whole leaves, flattened row-major, in tree
-    order. With leaves sharded over mesh axes beyond `axis_name` (tensor parallelism), D
-    is the whole model's size and the top k the whole model's
-    (`sparse.topk_over_shards`). Where `specs` gives every sharded leaf's
-    `PartitionSpec`, ties go in that order (each element's place in its whole leaf from
-    `_shards.global_index`), so the entries sent are the whole model's in every layout.
-    Without it the order is one group of leaves per set of shard axes, first seen
-    first, each group in shard-major order over this device's concatenation of its
-    pieces: where leaves are split along another dimension than their leading one, or
-    groups reorder them, tied entries may differ from the whole model's. Each device of
-    those axes sends 1/S of the k pairs (`sparse.sum_sparse_over_shards`); the result is
-    the whole model's, bit for bit, for the entries chosen.
-
-    Args:
-      axis_name: the mesh axis (or tuple of axes) to average over.
-      density: k/D in (0, 1].
-      selector: "exact" or "sampled", as for `lags`.
-      specs: None, or the params' `PartitionSpec`s (a pytree like them; None for a
-        leaf whose spec is not given): they order ties as above where every leaf split
-        over mesh axes beyond `axis_name` has one. A spec must name the mesh axes its
-        leaf is split over (known by its type); none may split a leaf over `axis_name`
-        (slgs does not take FSDP).
-
-    Returns:
-      An `optax.GradientTransformationExtraArgs` whose state is an `SlgsState`.
-
-    Raises:
-      ValueError: for a density outside (0, 1] or an unknown selector at construction; at
-        trace time as for `lags`, and, with `specs`, for specs not shaped like the
-        updates, a spec that splits a leaf over `axis_name`, or a leaf split over other
-        mesh axes than its spec names.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, gradcomm
-      >>> tx = gradcomm.slgs("data", density=0.25)
-      >>> updates = {"a": jnp.array([[4.0, 1.0], [0.0, 0.0]]),  # one row per device
-      ...            "b": jnp.array([[0.5, 0.0], [3.0, 0.0]])}
-      >>> state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})
-      >>> out = jax.vmap(lambda u: tx.update(u, state)[0], axis_name="data")(updates)
-      >>> out["a"][0], out["b"][0]
-      (Array([2., 0.], dtype=float32), Array([1.5, 0. ], dtype=float32))
-
-    References:
-      Shi et al., ECAI 2020: the SLGS-SGD baseline of sections 3 and 6.
-    """
-    _axes.check_axis_name(axis_name)
-    sparse.check_density(density)
-    sparse.check_selector(selector)
-
-    def step(
-        leaves: list[jax.Array],
-        names: list[str],
-        residuals: list[jax.Array],
-        leaf_specs: list[Any] | None = None,
-    ) -> tuple[list[jax.Array], list[jax.Array]]:
-        n = _axes.axis_size(axis_name)
-        dtype = jnp.result_type(*leaves)
-        accs = [
-            sparse.accumulate(r, u).astype(dtype) for r, u in zip(residuals, leaves, strict=True)
-        ]
-        shards = [_shards.shard_axes(a, axis_name, "slgs") for a in accs]
-        if any(shards):
-            order = None
-            if leaf_specs is not None and all(
-                spec is not None for spec, axes in zip(leaf_specs, shards, strict=True) if axes
-            ):  # ties in the whole model's order: its whole leaves in tree order
-                order = _model_order(leaves, leaf_specs, shards, names, axis_name)
-            return _slgs_over_shards(
-                leaves, residuals, accs, shards, axis_name, density, selector, order
-            )
-        acc = _packing.concatenate(accs)
-        values, indices = sparse.topk(acc, sparse.num_kept(acc.size, density), selector)
-        sizes = [a.size for a in accs]
-        means = sparse.sum_sparse_segments((values, indices), sizes, axis_name, divide_by=n)
-        out, new_residuals = [], []
-        for leaf, r, a, mean, start in zip(
-            leaves, residuals, accs, means, _flat.offsets(sizes), strict=False
-        ):
-            # The leaf's acc with its sent entries zeroed: no model-sized slicing.
-            segment = sparse.segment(indices, start, a.size)
-            out.append(mean.astype(leaf.dtype).reshape(leaf.shape))
-            new_residuals.append(sparse.unsent(a, segment, r, unique_indices=False))
-        return out, new_residuals
-
-    if specs is None:
-        return _leafwise.with_residuals("slgs", axis_name, SlgsState, step)
-
-    # With specs: `_leafwise.with_residuals` with each leaf's spec (the residual is shaped
-    # like the params and the updates).
-    def init_fn(params: Any) -> SlgsState:
-        return SlgsState(residual=jax.tree.map(jnp.zeros_like, params))
-
-    def residual_step(
-        leaves: list[jax.Array], names: list[str], state: SlgsState
-    ) -> tuple[list[jax.Array], SlgsState]:
-        if any(sparse.fsdp_leaves(specs, state.residual, names, axis_name, "slgs")):
-            raise ValueError(
-                f"slgs: specs split a leaf over the data axes {axis_name!r} (FSDP), which "
-                f"slgs does not take: give its leaves no data axis in their specs"
-            )
-        leaf_specs = _shards.leaf_specs(specs, state.residual, "slgs")
-        out, residuals = step(leaves, names, jax.tree.leaves(state.residual), leaf_specs)
-        structure = jax.tree.structure(state.residual)
-        return out, SlgsState(residual=jax.tree.unflatten(structure, residuals))
-
-    return _leafwise.transformation("slgs", axis_name, init_fn, residual_step)
-
-
-def _model_order(
-    leaves: list[jax.Array],
-    leaf_specs: list[Any],
-    shards: list[tuple[str, ...]],
-    names: list[str],
-    axis_name: _axes.AxisName,
-) -> list[jax.Array]:
-    """Per leaf, each element's position in the whole model (its whole leaves, flattened
-    row-major, one after the other in tree order), flat int32, as this device's piece."""
-    out, offset = [], 0
-    for leaf, spec, axes, name in zip(leaves, leaf_specs, shards, names, strict=True):
-        out.append(_whole_order(leaf, spec, axes, axis_name, "slgs", name, offset))
-        offset += leaf.size * _shards.num_shards(axes)
-    return out
-
-
-def _slgs_over_shards(
-    leaves: list[jax.Array],
-    residuals: list[jax.Array],
-    accs: list[jax.Array],
-    shards: list[tuple[str, ...]],
-    axis_name: _axes.AxisName,
-    density: float,
-    selector: sparse.Selector,
-    order: list[jax.Array] | None = None,
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """SLGS where some leaves are pieces of tensors sharded over mesh axes (`_shards`).
-
-    The leaves form one group per set of shard axes (first seen first), each this
-    device's concatenation of its pieces; the whole model is the groups in that order,
-    each in shard-major order (`sparse.topk_over_shards`), the exchange's numbering.
-    Ties at the threshold go in that order too, or, with `order` (per leaf, each
-    element's position in the whole model, `_model_order`), in that one. k is the
-    whole model's; the exchange sends each device's share of it.
-    """
-    n = _axes.axis_size(axis_name)
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, (a, axes) in enumerate(zip(accs, shards, strict=True)):
-        if a.size:
-            groups.setdefault(axes, []).append(i)
-    axes = list(groups)
-    pieces = [_packing.concatenate([accs[i] for i in ids]) for ids in groups.values()]
-    sizes = [piece.size for piece in pieces]
-    whole = sum(size * _shards.num_shards(a) for size, a in zip(sizes, axes, strict=True))
-    orders = None
-    if order is not None:
-        orders = [_packing.concatenate([order[i] for i in ids]) for ids in groups.values()]
-    k = sparse.num_kept(whole, density)
-    picked = sparse.topk_over_shards(pieces, axes, k, selector, orders)
-    means = sparse.sum_sparse_over_shards(picked, sizes, axes, axis_name, divide_by=n)
-    out, new_residuals = list(leaves), list(residuals)
-    for ids, p, mean in zip(groups.values(), picked, means, strict=True):
-        starts = _flat.offsets([accs[i].size for i in ids])
-        for i, start, end in zip(ids, starts, starts[1:], strict=False):
-            out[i] = mean[start:end].astype(leaves[i].dtype).reshape(leaves[i].shape)
-            segment = sparse.segment(p.indices, start, end - start)
-            new_residuals[i] = sparse.unsent(accs[i], segment, residuals[i], unique_indices=False)
-    return out, new_residuals
 
 
 def lags_delta(
@@ -536,14 +310,14 @@ def lags_delta(
     leaf_specs = _shards.leaf_specs(specs, acc, "lags_delta")
     deltas = []
     for leaf, d, spec, name in zip(leaves, densities, leaf_specs, names, strict=True):
-        x = leaf.ravel().astype(_axes.compute_dtype(leaf.dtype))
+        x = leaf.ravel().astype(_numeric.compute_dtype(leaf.dtype))
         axes = _shards.shard_axes(x, axis_name, "lags_delta")
         whole = x.size * _shards.num_shards(axes)
         k = sparse.num_kept(whole, d)
         if axes:  # a piece of a sharded leaf: the whole leaf's top k, norms summed
             order = None
             if spec is not None:
-                order = [_whole_order(leaf, spec, axes, axis_name, "lags_delta", name)]
+                order = [_specs.whole_order(leaf, spec, axes, axis_name, "lags_delta", name)]
             picked = sparse.topk_over_shards([x], [axes], k, selector, order)[0]
             mine = jnp.zeros_like(x).at[picked.indices].set(picked.values, mode="drop")
         else:
@@ -555,3 +329,9 @@ def lags_delta(
         expected = (1 - k / whole) * norm
         deltas.append(jnp.where(expected > 0, missed / expected, 0.0).astype(jnp.float32))
     return jax.tree.unflatten(treedef, deltas)
+
+
+registry.register(registry.Method(
+    lags, "after", title="LAGS-SGD", paper="Shi et al., ECAI 2020", page="lags",
+    collectives=sparse.collectives, window="backward",
+))  # fmt: skip

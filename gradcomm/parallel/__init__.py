@@ -39,13 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from gradcomm import _axes
 from gradcomm.parallel._layout import (
-    TrainState,
-    check_state_layout,
-    check_sync,
-    check_update_shapes,
     fsdp_leaves,
     gather_fsdp,
-    init_state,
     layout,
     local_params,
     local_shapes,
@@ -73,6 +68,8 @@ from gradcomm.parallel._placement import (
     shard_params,
     with_device_axis,
 )
+from gradcomm.parallel._state import TrainState, check_sync, init_state
+from gradcomm.parallel._validate import check_state_layout, check_update_shapes
 from gradcomm.sync import ParamsSync
 
 __all__ = [

@@ -1,15 +1,16 @@
-"""Per-device state layout: which state leaves differ across devices, and `init_state`.
+"""Per-device state layout: which state leaves differ across devices, and how each is split.
 
 A leaf that the transformation makes differ between devices is stored with a leading
 device axis sharded over the data axes; the rest is replicated. `layout` finds which by
-tracing one update (see `gradcomm.parallel`).
+tracing one update (see `gradcomm.parallel`); `init_state` (`_state`) and `train_step`
+place the state by it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +20,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _axes, _checks, _collectives
-from gradcomm.parallel._placement import (
-    check_copies,
-    data_axes,
-    device_spec,
-    is_fsdp,
-    model_specs,
-    num_shards,
-    place,
-    with_device_axis,
-)
-from gradcomm.sync import ParamsSync
+from gradcomm import _axes, _checks
+from gradcomm.parallel._placement import device_spec, is_fsdp, model_specs, with_device_axis
+from gradcomm.parallel._validate import per_device_hint
 
 
 def per_device_leaves(state: Any, spec: P) -> list[bool]:
@@ -43,107 +35,6 @@ def per_device_leaves(state: Any, spec: P) -> list[bool]:
         )
         flags.append(leading is not None and leading == spec[0])
     return flags
-
-
-RELAY_HINT = (
-    "per-device state (residuals, keys, push-sum weights, each device's optimizer "
-    "moments) belongs to the devices that made it and cannot be re-laid onto another "
-    "number of devices. Restore it onto a mesh with as many data-parallel devices as it "
-    "was saved from, or start this state afresh on this mesh with "
-    "`parallel.init_state(tx, params, mesh)` (replicated leaves, such as step counts and "
-    "the moments of an optimizer after an all-reduce, restore onto any mesh)"
-)
-
-
-def _misfit(
-    shapes: Sequence[tuple[int, ...]], flags: Sequence[bool], local: Any, n: int
-) -> int | None:
-    """The first state leaf (by index) not laid out for one device's state `local`: a
-    per-device leaf has shape `(n, *local)`, a replicated one `local`. -1 where the trees
-    differ (or `local` is None); None where every leaf fits."""
-    if local is None:
-        return -1
-    wants = [tuple(np.shape(x)) for x in jax.tree.leaves(local)]
-    if len(wants) != len(shapes):
-        return -1
-    for i, (shape, want, per_device) in enumerate(zip(shapes, wants, flags, strict=True)):
-        if shape != ((n, *want) if per_device else want):
-            return i
-    return None
-
-
-def check_state_layout(
-    state: Any,
-    flags: Sequence[bool],
-    local: Any,
-    n: int,
-    names: tuple[str, ...],
-    params_per_device: bool,
-    other: Callable[[], Any],
-) -> None:
-    """Raises for state leaves whose device axis does not fit the mesh (see `TrainStep`).
-
-    `local` holds one device's state shapes (`tx.init`'s): a per-device leaf must have
-    shape `(n, *local)`, a replicated one `local`. `other()` returns them for the other
-    value of `params_per_device` (None where these params rule it out); it is called only
-    where a state placed on the mesh does not fit `local`, and a state that fits it instead
-    was laid out for that value: the error names the flag. (A state of host arrays is a
-    checkpoint restored without its shardings: the checks below report it.)
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    shapes = [tuple(np.shape(x)) for _, x in leaves]
-    placed = all(isinstance(getattr(x, "sharding", None), NamedSharding) for _, x in leaves)
-    misfit = _misfit(shapes, flags, local, n) if placed else None
-    if misfit is not None and _misfit(shapes, flags, other(), n) is None:
-        detail = ""
-        if misfit >= 0:
-            path, x = leaves[misfit]
-            want = tuple(np.shape(jax.tree.leaves(local)[misfit]))
-            detail = (
-                f" (state leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-                f"{np.shape(x)}; laid out for params_per_device={params_per_device} it would "
-                f"have shape {(n, *want) if flags[misfit] else want})"
-            )
-        raise ValueError(
-            f"this state was laid out for params_per_device={not params_per_device}, but "
-            f"the step was built with params_per_device={params_per_device}{detail}: "
-            f"rebuild the state with `parallel.init_state(tx, params, mesh, "
-            f"params_per_device={params_per_device})` from the params that the step takes, "
-            f"or build the step with params_per_device={not params_per_device}, as the state was"
-        )
-    local_leaves = jax.tree.leaves(local)
-    if len(local_leaves) != len(leaves):
-        return  # not this transformation's state: its update reports the mismatch
-    for (path, x), want, per_device in zip(leaves, local_leaves, flags, strict=True):
-        shape, name = tuple(np.shape(x)), jax.tree_util.keystr(path) or "<root>"
-        if shape == tuple(want.shape) or shape[1:] != tuple(want.shape):
-            continue  # replicated as expected, or a mismatch the update reports
-        if per_device and shape[0] != n:
-            raise ValueError(
-                f"state leaf {name} holds {shape[0]} per-device copies (shape {shape}), "
-                f"but this mesh has {n} data-parallel devices; {RELAY_HINT}"
-            )
-        if not per_device:
-            raise ValueError(
-                f"state leaf {name} has a leading device axis of {shape[0]} copies (shape "
-                f"{shape}) but is not sharded over the data axes {names}; "
-                f"pass the state as `parallel.init_state` placed it: restore a checkpoint "
-                f"with the shardings of `init_state`'s state (for example "
-                f"`jax.tree.map(orbax.checkpoint.utils.to_shape_dtype_struct, state)` as "
-                f"the restore target)"
-            )
-
-
-def _per_device_hint(shards: Sequence[tuple[int, ...]]) -> str:
-    """A hint for FSDP-split params whose shards (this device's shapes) hold one row each:
-    per-device copies (`per_device` places them split over the data axes) passed without
-    params_per_device=True read as FSDP. Empty where no shard has a single row."""
-    if not any(shape[:1] == (1,) for shape in shards):
-        return ""
-    return (
-        " If the params are per-device copies (`parallel.per_device`), build the state and "
-        "the step with params_per_device=True."
-    )
 
 
 def _is_spec(x: Any) -> bool:
@@ -336,7 +227,7 @@ def layout(
                 if not any(fsdp):
                     raise
                 leaves = jax.tree.leaves(params)
-                hint = _per_device_hint(
+                hint = per_device_hint(
                     [np.shape(x) for x, f in zip(leaves, fsdp, strict=True) if f]
                 )
                 raise ValueError(
@@ -371,123 +262,3 @@ def layout(
             _check_decisions(shapes, flags)
             return flags
         flags = new
-
-
-class TrainState(NamedTuple):
-    """What `init_state` returns with a `sync`: the transformation's state and the sync's.
-
-    The sync's state is replicated (the same on every device, by `ParamsSync`'s contract).
-    """
-
-    tx: Any
-    sync: Any
-
-
-def check_sync(sync: ParamsSync | None, params_per_device: bool) -> None:
-    if sync is None:
-        return
-    if not isinstance(sync, ParamsSync):
-        raise ValueError(
-            f"sync must be a gradcomm.ParamsSync (gradcomm.periodic_average(...)), got {sync!r}"
-        )
-    if not params_per_device:
-        raise ValueError(
-            "sync sets per-device params to one value; replicated params are one value "
-            "already: pass params_per_device=True (with per-device params), or drop sync"
-        )
-
-
-def sync_state_of(
-    sync: ParamsSync, params: Any, mesh: Mesh, names: tuple[str, ...], models: Any
-) -> Any:
-    """The sync's state from the first device's per-device params, inside the map: the
-    same on every data-parallel device, and split over model axes like the params its
-    leaves mirror (`models`), in one process or several."""
-    shapes = local_shapes(params, True)
-    specs = state_model_specs(sync, shapes, models)
-    out_specs = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(sync.init, shapes)), specs)
-    param_spec = with_device_axis(models, device_spec(mesh, names))
-
-    def body(params: Any) -> Any:
-        first = jax.tree.map(
-            lambda x: _collectives.all_gather_invariant(x[0], names)[0], params
-        )  # device 0's copy, typed the same on every data-parallel device
-        return sync.init(first)
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_spec,), out_specs=out_specs)
-    return jax.jit(mapped)(params)
-
-
-def init_state(
-    tx: optax.GradientTransformation,
-    params: Any,
-    mesh: Mesh,
-    *,
-    axes: _axes.AxisName | None = None,
-    params_per_device: bool = False,
-    sync: ParamsSync | None = None,
-) -> Any:
-    """Initialises `tx`'s state on every device, per device only where it must be.
-
-    `tx.init` runs inside `shard_map`, once per device. A state leaf that the
-    transformation makes differ between devices (see the module docstring) gets a leading
-    device axis; the others are replicated.
-
-    Args:
-      tx: the transformation.
-      params: replicated params (or per-device ones with `params_per_device=True`).
-      mesh: the mesh.
-      axes: the data-parallel axes (default: all mesh axes).
-      params_per_device: whether `params` carry a leading device axis.
-      sync: the `ParamsSync` that `train_step` will run (needs `params_per_device`).
-
-    Returns:
-      The state: per-device leaves of shape `(num_shards, *leaf_shape)` sharded over
-      `axes`, the others replicated. With `sync`, a `TrainState` of that state and the
-      sync's (replicated).
-    """
-    check_sync(sync, params_per_device)
-    names = data_axes(mesh, axes)
-    spec = device_spec(mesh, names)
-    if params_per_device:
-        hint = (
-            "place one copy per device with `parallel.per_device(params, mesh)`, or pass "
-            "replicated params with params_per_device=False"
-        )
-        check_copies(params, num_shards(mesh, names), "param", hint)
-    models = model_specs(params, mesh, names, params_per_device)
-    param_spec = with_device_axis(models, spec if params_per_device else None)
-    params = jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), params, param_spec)
-    flags = layout(tx, params, mesh, names, params_per_device)
-
-    def body(params: Any) -> Any:
-        return stack(tx.init(local_params(params, params_per_device)), flags)
-
-    shapes = jax.eval_shape(tx.init, local_shapes(params, params_per_device))
-    state_models = state_model_specs(tx, local_shapes(params, params_per_device), models)
-    out_specs = state_specs(shapes, flags, spec, state_models)
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_spec,), out_specs=out_specs)
-    state = jax.jit(mapped)(params)
-    if sync is None:
-        return state
-    return TrainState(state, sync_state_of(sync, params, mesh, names, models))
-
-
-def check_update_shapes(updates: Any, params: Any, fsdp: Sequence[bool]) -> None:
-    """Raises where an update is not shaped like its param (inside the map)."""
-    paths = jax.tree_util.tree_leaves_with_path(params)
-    for (path, p), u, split in zip(paths, jax.tree.leaves(updates), fsdp, strict=True):
-        if np.shape(u) != np.shape(p):
-            how = (
-                " The param is split over the data axes (FSDP): the transformation must "
-                "return this device's shard of the combined gradient; the gradcomm methods "
-                "that reduce-scatter take the params' specs, allreduce(specs=...)."
-                if split
-                else ""
-            )
-            if split:
-                how += _per_device_hint([np.shape(p)])
-            raise ValueError(
-                f"the update of param {jax.tree_util.keystr(path)} has shape {np.shape(u)}, "
-                f"but the param here has shape {np.shape(p)}.{how}"
-            )

@@ -3,13 +3,14 @@
     step = compute + comm - hidden,   comm = sum over the step's collectives of
            share * factor(kind, n) * (latency * messages + 8 * bytes_sent / bandwidth)
 
-Each method's collectives per step (`pattern`) come from its algorithm, their bytes are
+Each method's collectives per step (`pattern`) come from its algorithm (its entry in
+`gradcomm.registry`), their bytes are
 `gradcomm.wire`'s count, and `factor` is the backend's time against the alpha-beta ideal
 (1 on `NCCL`, measured per pattern on `GLOO`); `hidden` is what overlaps the backward pass
 or, for 1-overlap SGP, the step. `predict` gives one step's time, `crossover_bandwidth` and
 `crossover_table` the link below which each method beats allreduce (for the rows its caller
 hands it: the model names gradcomm's factories, not a study's methods), `calibrate` and
-`fit_report` fit the model to `experiments/bench_network.py`'s records, and `paper_checks`
+`fit_report` fit the model to `experiments/network/bench_network.py`'s records, and `paper_checks`
 sets the figures of the Adasum, LAGS-SGD, TernGrad, SGP and gradient dropping papers
 beside the model's. Units: bandwidth in Gbit/s, latency and times in seconds, model size
 in parameters. `python -m gradcomm.perfmodel network.json` prints the fit, the crossovers
@@ -43,14 +44,11 @@ from gradcomm.perfmodel._model import (
     GLOO_PAIRWISE,
     NCCL,
     Backend,
-    Collective,
     Prediction,
-    Window,
-    pattern,
     predict,
-    window,
 )
 from gradcomm.perfmodel._papers import PaperCheck, paper_checks, paper_table
+from gradcomm.perfmodel._pattern import Collective, Setting, Window, averaging, pattern, window
 
 __all__ = [
     "BACKWARD",
@@ -65,7 +63,9 @@ __all__ = [
     "FitRow",
     "PaperCheck",
     "Prediction",
+    "Setting",
     "Window",
+    "averaging",
     "calibrate",
     "crossover_bandwidth",
     "crossover_table",

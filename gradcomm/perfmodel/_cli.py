@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from gradcomm.perfmodel._crossover import crossover_table
-from gradcomm.perfmodel._fit import Calibration, calibrate, fit_markdown, fit_report, key
+from gradcomm.perfmodel._fit import (
+    Calibration,
+    calibrate,
+    current_record,
+    fit_markdown,
+    fit_report,
+    key,
+)
 from gradcomm.perfmodel._model import GLOO, GLOO_PAIRWISE
 from gradcomm.perfmodel._papers import paper_checks, paper_table
 
@@ -30,7 +37,7 @@ def _fit(
 ) -> dict[str, Any]:
     """Prints the fit to `network` and the crossover table; returns them for --json."""
     with open(network) as f:  # gradcomm's records; the peer rows (PyTorch DDP) model nothing
-        records = [r for r in json.load(f) if r.get("framework", "jax") == "jax"]
+        records = [current_record(r) for r in json.load(f) if r.get("framework", "jax") == "jax"]
     if backend == "auto":  # the records say how the benchmark's swaps ran
         pairwise = any(r.get("exchange") == "pairwise" for r in records)
         backend = "gloo-pairwise" if pairwise else "gloo"
@@ -60,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gradcomm.perfmodel",
         description="Fits the alpha-beta step-time model to network.json (from "
-        "experiments/bench_network.py) and prints its fit error, the crossover bandwidths and "
-        "the papers' figures beside the model's.",
+        "experiments/network/bench_network.py) and prints its fit error, the crossover "
+        "bandwidths and the papers' figures beside the model's.",
     )
     parser.add_argument("network", nargs="?", help="network.json; without it, the papers only")
     parser.add_argument(

@@ -90,7 +90,7 @@ def crossover_table(
     """Markdown: per method, where it beats allreduce, and its speed-up at each link rate.
 
     The model knows gradcomm's factories, not the names a study gives them: the caller
-    hands the rows (experiments/_methods.py's `rows()`, or network.json records).
+    hands the rows (gradcomm_experiments.methods's `rows()`, or network.json records).
 
     Args:
       params: as for `predict`.

@@ -1,5 +1,5 @@
-"""TernGrad's codes and their wire: drawing ternary codes, packing them 5 to a byte, and
-summing them over the devices in packed form (the mechanism behind `gradcomm.terngrad`).
+"""TernGrad's codes and their exchanges: drawing ternary codes, packing them 5 to a byte,
+and summing them over the devices in packed form (the mechanism behind `gradcomm.terngrad`).
 
 The random bits are a counter-based hash of each element's index (in the whole tensor,
 for a piece of a leaf sharded over other mesh axes), keyed per device and step by
@@ -8,7 +8,7 @@ threefry per element costs about ten times as much on a CPU. Each leaf is packed
 own, digit-major (`gradcomm._packing`), so that drawing, clipping and packing are one
 pass over the leaf and unpacking one pass over the codes. `code_sums` is the exchange:
 an all-gather of the packed codes, or an all-to-all of them and an all-gather of their
-sums in base 2N + 1 (`pick_strategy` takes the one that sends fewer bits).
+sums in base 2N + 1 (`auto_exchange` takes the one that sends fewer bits).
 
 For FSDP leaves (split along their leading dimension over the data axes, each device
 keeping its shard of the result), `pack_shards` packs the codes of each of a leaf's n
@@ -30,7 +30,7 @@ from jax import lax
 
 from gradcomm import _axes, _collectives, _flat, _packing
 
-Strategy = Literal["all_gather", "all_to_all"]
+Packed = Literal["all_gather", "all_to_all"]  # the exchanges of the packed codes
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -91,8 +91,8 @@ def codes(
 PER_BYTE = _packing.values_per_word(3, 8)  # 5 ternary codes to a byte
 
 
-def pick_strategy(n: int) -> Strategy:
-    """The packed exchange that sends fewer bits per element at this axis size."""
+def auto_exchange(n: int) -> Packed:
+    """The packed exchange that sends fewer bits per element at this axis size: "auto"'s."""
     code_bits = 8 / PER_BYTE
     sum_bits = 32 / _packing.values_per_word(2 * n + 1)
     gather = (n - 1) * code_bits
@@ -206,7 +206,7 @@ def unpack_leaf(rows: list[jax.Array], size: int) -> jax.Array:
 
 @jax.named_scope("exchange")
 def code_sums(
-    packed: list[jax.Array], axis_name: _axes.AxisName, n: int, strategy: Strategy
+    packed: list[jax.Array], axis_name: _axes.AxisName, n: int, exchange: Packed
 ) -> list[list[jax.Array]]:
     """Per leaf, the digit rows of the sum over devices of its codes plus n: in [0, 2n].
 
@@ -218,7 +218,7 @@ def code_sums(
     dtype = sum_dtype(n)
     offsets = _flat.offsets([p.size for p in packed])
     flat = _packing.concatenate(packed)
-    if strategy == "all_gather":
+    if exchange == "all_gather":
         gathered = _collectives.all_gather_invariant(flat, axis_name)  # (n, bytes)
         return [
             list(_packing.digit_sums(gathered[:, start:end], 3, dtype))

@@ -6,7 +6,7 @@ so every data-parallel collective crosses the shaped links, while the model axis
 inside a process (XLA:CPU's in-process collectives, no network). As in the flat rows, a
 power-of-two N factors the data axis into size-2 axes (`parallel.pairwise_axes`).
 
-The model is the flat rows' MLP (`_networker.mlp_widths`, the same initial values),
+The model is the flat rows' MLP (`network.worker.mlp_widths`, the same initial values),
 tensor-parallel Megatron-style: the first layer split by columns over `'model'` (each
 device computes half the hidden units), the second by rows (each device multiplies its
 half of the hidden units, then a `psum` over `'model'` adds the halves), the classifier
@@ -35,14 +35,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import _methods
-import _networker
+from gradcomm_experiments import methods
+from gradcomm_experiments.network import worker as networker
 
 MESHES = ("flat", "tp", "fsdp")  # `--mesh`'s choices, in the order the tables show them
 MODEL = 2  # devices per host: the size of the 'model' axis
 BATCH_PER_HOST = 32  # examples per data-parallel shard, as the flat rows' per host
 HIDDEN_MULTIPLE = 64  # hidden widths divisible by the model axis times the data axis
-D_IN = 256  # the MLP's input width (`_networker.mlp_widths`' default)
+D_IN = 256  # the MLP's input width (`network.worker.mlp_widths`' default)
 
 # The FSDP rows: a registry label -> its factory's extra options in its FSDP form (the
 # factory also gets `specs=`). A method joins the FSDP rows with one entry here, once its
@@ -92,14 +92,14 @@ def parse(text: str, nodes: Sequence[int], patterns: bool, peer: bool) -> list[s
 
 
 def run_worker(config: dict[str, Any]) -> None:
-    """A worker process of `bench_network.py --worker`: raw collectives, the flat rows or
-    a 2-D mesh's, as its config says."""
+    """A worker process of `bench_network.py` (`python -m gradcomm_experiments.network.worker
+    CONFIG`): raw collectives, the flat rows or a 2-D mesh's, as its config says."""
     if config.get("mode") == "patterns":
-        _networker.pattern_worker(config)
+        networker.pattern_worker(config)
     elif config.get("mesh", "flat") != "flat":
         worker(config)
     else:
-        _networker.worker(config)
+        networker.worker(config)
 
 
 def labels_for(mesh: str, labels: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -108,7 +108,7 @@ def labels_for(mesh: str, labels: Sequence[str]) -> tuple[list[str], list[str]]:
     model axis's devices), and FSDP runs the methods of `FSDP` only."""
     if mesh == "flat":
         return list(labels), []
-    ok = [m for m in labels if not _methods.METHODS[m].local and (mesh != "fsdp" or m in FSDP)]
+    ok = [m for m in labels if not methods.METHODS[m].local and (mesh != "fsdp" or m in FSDP)]
     return ok, [m for m in labels if m not in ok]
 
 
@@ -120,22 +120,23 @@ def plan(meshes: Sequence[str], labels: Sequence[str]) -> list[tuple[str, list[s
     out = []
     for mesh in meshes:
         if mesh == "flat":
-            flat = [m for m in labels if not _methods.METHODS[m].local]
-            local = [m for m in labels if _methods.METHODS[m].local]
+            flat = [m for m in labels if not methods.METHODS[m].local]
+            local = [m for m in labels if methods.METHODS[m].local]
             out.append((mesh, flat, False))
             if local:
                 out.append((mesh, ["allreduce", *local], True))
         else:
             kept, skipped = labels_for(mesh, labels)
             if skipped:
-                print(f"--mesh {mesh}: no rows for {', '.join(skipped)} (see _netmesh.py)")
+                shown = ", ".join(skipped)
+                print(f"--mesh {mesh}: no rows for {shown} (see gradcomm_experiments.network.mesh)")
             out.append((mesh, kept, False))
     return out
 
 
 def widths(params: float) -> tuple[int, ...]:
     """The flat rows' MLP widths, hidden widths rounded down to a multiple of 64."""
-    d_in, h, _, classes = _networker.mlp_widths(params, D_IN)
+    d_in, h, _, classes = networker.mlp_widths(params, D_IN)
     h = max(HIDDEN_MULTIPLE, h - h % HIDDEN_MULTIPLE)
     return (d_in, h, h, classes)
 
@@ -159,7 +160,7 @@ def param_specs(data_axes: Sequence[str], fsdp: bool) -> dict[str, Any]:
 def task(width: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any, Any]:
     """(init params, loss_fn with accuracy, fixed batch) of the tensor-parallel MLP.
 
-    The flat rows' arrays (`_networker.mlp_init`), the middle kernel transposed; inside the
+    The flat rows' arrays (`network.worker.mlp_init`), the middle kernel transposed; inside the
     map each device holds its slice over 'model' and the loss adds the row-split layer's
     partial products with a `psum` over 'model'.
     """
@@ -168,7 +169,7 @@ def task(width: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any, Any
     import optax
     from jax import lax
 
-    params, data = _networker.mlp_init(width, batch, seed)
+    params, data = networker.mlp_init(width, batch, seed)
     params["w1"] = params["w1"].T.copy()
 
     def loss_fn(p: Any, data: Any) -> tuple[jax.Array, dict]:
@@ -181,21 +182,21 @@ def task(width: Sequence[int], batch: int, seed: int = 0) -> tuple[Any, Any, Any
     return params, loss_fn, data
 
 
-def build(label: str, mesh: str, specs: Any, data_axes: Sequence[str]) -> _methods.Method:
-    """The registry's method (as the benchmark times it, `_networker.spec_of`) with Adam,
+def build(label: str, mesh: str, specs: Any, data_axes: Sequence[str]) -> methods.Method:
+    """The registry's method (as the benchmark times it, `network.worker.spec_of`) with Adam,
     over the data axes; its factory gets `specs=` on the FSDP mesh (with its `FSDP`
     options), and on the tp mesh where it is one of `TP_SPECS`."""
     import optax
 
-    spec = _networker.spec_of(label)
+    spec = networker.spec_of(label)
     extra = dict(FSDP[label]) if mesh == "fsdp" else {}
     if mesh == "fsdp" or spec.method in TP_SPECS:
         extra["specs"] = specs
-    return _methods.build(spec.configured(**extra), optax.adam(1e-4), tuple(data_axes))
+    return methods.build(spec.configured(**extra), optax.adam(1e-4), tuple(data_axes))
 
 
 def start(
-    method: _methods.Method, loss_fn: Any, mesh: Any, host_params: Any, specs: Any,
+    method: methods.Method, loss_fn: Any, mesh: Any, host_params: Any, specs: Any,
     data_axes: Sequence[str],
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """`(params, state, step)` as `Method.start` makes them from one copy of the params,
@@ -230,16 +231,16 @@ def wire_bytes(step: Any, params: Any, state: Any, batch: Any, data_axes: Sequen
 def worker(config: dict[str, Any]) -> None:
     """One host's process on the 2-D mesh: trains with each method, prints (process 0) the
     results and the mesh as one `RESULT` line."""
-    import _provenance
+    from gradcomm_experiments import provenance
 
-    devices, log = _networker.start(config, MODEL)
+    devices, log = networker.start(config, MODEL)
     import jax
     import numpy as np
 
     from gradcomm import parallel
 
     nodes, kind = config["nodes"], config["mesh"]
-    host_axes = _networker.pairwise_mesh_axes("data", nodes)
+    host_axes = networker.pairwise_mesh_axes("data", nodes)
     data_axes = tuple(host_axes)
     mesh = parallel.make_mesh({**host_axes, "model": MODEL}, devices=devices)
     specs = param_specs(data_axes, fsdp=kind == "fsdp")
@@ -254,11 +255,11 @@ def worker(config: dict[str, Any]) -> None:
         params, state, step = start(method, loss_fn, mesh, host_params, specs, data_axes)
         sent = wire_bytes(step, params, state, batch, data_axes) if config["measure_bytes"] else {}
         log(f"{label}: built and compiled in {time.perf_counter() - t0:.1f}s")
-        every = _networker.cycle(_networker.spec_of(label), nodes)
-        runs[label] = _networker.warm_up(label, step, params, state, batch, every, log)
+        every = networker.cycle(networker.spec_of(label), nodes)
+        runs[label] = networker.warm_up(label, step, params, state, batch, every, log)
         runs[label]["sent"] = sent
 
-    _networker.time_runs(runs, labels, batch, config, log)
+    networker.time_runs(runs, labels, batch, config, log)
     if jax.process_index() == 0:
         keys = ("bytes", "link_bytes", "bytes_by_axes")
         out = {
@@ -277,6 +278,6 @@ def worker(config: dict[str, Any]) -> None:
             "param_specs": {k: str(v) for k, v in specs.items()},
             "batch": int(data["x"].shape[0]),
         }
-        info = _provenance.devices_info(devices)
+        info = provenance.devices_info(devices)
         result = {"results": out, "devices": info, "mesh": described}
         print("RESULT " + json.dumps(result), flush=True)

@@ -1,13 +1,13 @@
 """The network benchmark's peer worker: one host's PyTorch process, timing DDP and its hooks.
 
-`bench_network.py --peer` starts one per host of the emulated cluster (`_netcluster.py`),
-on the links its JAX workers (`_networker.py`) have just used, as
+`bench_network.py --peer` starts one per host of the emulated cluster (`network.cluster`),
+on the links its JAX workers (`network.worker`) have just used, as
 
-    python experiments/_peerworker.py '{"nodes": 2, "process": 0, ...}'
+    python -m gradcomm_experiments.network.peer '{"nodes": 2, "process": 0, ...}'
 
 with `MASTER_ADDR` (host 0's address), `MASTER_PORT` and `GLOO_SOCKET_IFNAME=veth0` in its
 environment, so that gloo's pairs bind to the host's interface. Each process trains the
-benchmark's MLP (`_networker.mlp_init`: the JAX worker's widths, initial params and fixed
+benchmark's MLP (`network.worker.mlp_init`: the JAX worker's widths, initial params and fixed
 global batch, of which rank r takes the r-th 32 rows) with Adam (lr 1e-4) under PyTorch's
 DistributedDataParallel on gloo, in three variants (`VARIANTS`), each its own model, DDP
 and optimizer from the same params:
@@ -54,7 +54,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from _networker import mlp_init, mlp_widths
+
+from gradcomm_experiments.network.worker import mlp_init, mlp_widths
 
 VARIANTS = ("torch-allreduce", "torch-fp16", "torch-powersgd")
 BASELINE = "torch-allreduce"

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import _netcluster as netcluster
-import _report
 import numpy as np
-from _methods import NETWORK
-from _netmesh import MESHES
-from _networker import PATTERNS, spec_of
-from _peerworker import BASELINE, BUCKET_CAP_MB, HOOKS, VARIANTS
+
+from gradcomm_experiments import report
+from gradcomm_experiments.methods import NETWORK
+from gradcomm_experiments.network import cluster as netcluster
+from gradcomm_experiments.network.mesh import MESHES
+from gradcomm_experiments.network.peer import BASELINE, BUCKET_CAP_MB, HOOKS, VARIANTS
+from gradcomm_experiments.network.worker import PATTERNS, spec_of
 
 # The peer rows as the tables and the plot name them.
 PEER_NAMES = {
@@ -60,7 +61,7 @@ def records_of(
     Each record names its method as the registry describes it (`Spec.describe()`: method,
     options, sync, label), which is what `gradcomm.perfmodel` reads. `threads` is the
     workers' compute threads (`--threads`; None: not pinned). `mesh` is a 2-D mesh's
-    description (`_netmesh.worker`: name, axes, data axes, param specs, batch); None for
+    description (`network.mesh.worker`: name, axes, data axes, param specs, batch); None for
     the flat rows. `bytes_known` keeps each (mesh, nodes, label)'s bytes from the cell that
     measured them.
     """
@@ -111,7 +112,7 @@ def peer_records_of(
     payload: dict[str, Any], nodes: int, rate: str, links: list[float], allocator: str,
     threads: int | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """network.json records of one cell's PyTorch DDP peer rows (`_peerworker.py`).
+    """network.json records of one cell's PyTorch DDP peer rows (`network.peer`).
 
     `payload` is what the peer worker printed: per variant its runs' median steps, bytes
     per step, bucket count and warm-up steps. Each ratio is against DDP without a hook
@@ -160,13 +161,13 @@ def label_of(record: dict[str, Any]) -> str:
 
 
 MESH_CAPTION = (
-    "Meshes tp and fsdp (`--mesh`, `_netmesh.py`): 2 CPU devices per host, the data axes "
-    "across the hosts (over the shaped links) and a model axis of 2 inside each host "
-    "(in-process collectives, no network); the same MLP, tensor-parallel: the first "
-    "layer split by columns, the second by rows with a psum over 'model', the classifier "
-    "whole. fsdp also splits each kernel's leading dimension over the data axes (gathered "
-    "for the forward; each method reduce-scatters the gradient). Each ratio is against "
-    "allreduce on the same mesh in the same run (on fsdp, its plain psum_scatter)."
+    "Meshes tp and fsdp (`--mesh`, `gradcomm_experiments.network.mesh`): 2 CPU devices per host, "
+    "the data axes across the hosts (over the shaped links) and a model axis of 2 inside each host "
+    "(in-process collectives, no network); the same MLP, tensor-parallel: the first layer split by "
+    "columns, the second by rows with a psum over 'model', the classifier whole. fsdp also splits "
+    "each kernel's leading dimension over the data axes (gathered for the forward; each method "
+    "reduce-scatters the gradient). Each ratio is against allreduce on the same mesh in the same "
+    "run (on fsdp, its plain psum_scatter)."
 )
 
 
@@ -286,7 +287,7 @@ def plot(records: Sequence[dict[str, Any]], path: Any) -> None:
         fullest = max(axes, key=lambda ax: len(ax.get_lines()))
         fullest.legend(fontsize=7, ncol=2)
 
-    _report.save_figure(
+    report.save_figure(
         path,
         draw,
         title="Step time on an emulated network (tc tbf, gloo); rightmost point: unshaped",
@@ -295,11 +296,11 @@ def plot(records: Sequence[dict[str, Any]], path: Any) -> None:
 
 
 def _style(label: str) -> dict[str, Any]:
-    """The registry's style of a method (`_report.style`); grey and dotted for a peer row."""
+    """The registry's style of a method (`report.style`); grey and dotted for a peer row."""
     if label in VARIANTS:
         marker = "osD"[VARIANTS.index(label)]
         return {"color": "0.35", "marker": marker, "linestyle": ":", "markerfacecolor": "white"}
-    return _report.style(label)
+    return report.style(label)
 
 
 def pattern_table(records: Sequence[dict[str, Any]], mib: float, repeats: int) -> str:

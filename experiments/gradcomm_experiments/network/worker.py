@@ -1,11 +1,15 @@
 """The network benchmark's worker: one host's JAX process, timing methods or raw collectives.
 
-`bench_network.py` starts one per host of an emulated cluster (`_netcluster.py`); each joins
-the run (gloo collectives over the shaped links) and process 0 prints its result as one
-line, `RESULT {"results": ..., "devices": ...}` (the devices as `_provenance.devices_info`
-gives them). JAX is imported inside the workers only: the driver reads the methods' specs
-from here without starting it, and the PyTorch peer worker (`_peerworker.py`) builds the
-same MLP from `mlp_init`, which needs NumPy alone.
+`bench_network.py` starts one per host of an emulated cluster (`network.cluster`), as
+
+    python -m gradcomm_experiments.network.worker '{"nodes": 2, "process": 0, ...}'
+
+(`network.mesh.run_worker` reads the config: raw collectives, the flat rows or a 2-D
+mesh's); each joins the run (gloo collectives over the shaped links) and process 0 prints
+its result as one line, `RESULT {"results": ..., "devices": ...}` (the devices as
+`provenance.devices_info` gives them). JAX is imported inside the workers only: the driver
+reads the methods' specs from here without starting it, and the PyTorch peer worker
+(`network.peer`) builds the same MLP from `mlp_init`, which needs NumPy alone.
 
 With a thread count (`--threads`), `compute_threads` sizes XLA:CPU's intra-op pool while
 the worker joins the run; see there for how, and why the XLA flag does not.
@@ -24,17 +28,17 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import _methods
+from gradcomm_experiments import methods
 
 
-def spec_of(label: str) -> _methods.Spec:
+def spec_of(label: str) -> methods.Spec:
     """The registry's method as the benchmark times it: in its steady state, without
     gradient dropping's drop-ratio warm-up."""
-    spec = _methods.METHODS[label]
+    spec = methods.METHODS[label]
     return spec.configured(warmup_steps=0) if "warmup_steps" in spec.options else spec
 
 
-def cycle(spec: _methods.Spec, nodes: int) -> int:
+def cycle(spec: methods.Spec, nodes: int) -> int:
     """Steps after which the method's communication repeats (1: every step is alike)."""
     from gradcomm import topology
 
@@ -62,7 +66,7 @@ def mlp_init(
     He-normal weights `w{i}` of shape (in, out) (used as `x @ w + b`), zero biases `b{i}`,
     then a batch of standard-normal inputs `x` and integer labels `y`, all drawn in that
     order from one `np.random.default_rng(seed)`. NumPy alone: the JAX worker
-    (`mlp_task`) and the PyTorch peer worker (`_peerworker.py`) start from these arrays.
+    (`mlp_task`) and the PyTorch peer worker (`network.peer`) start from these arrays.
     """
     import numpy as np
 
@@ -113,7 +117,7 @@ def compute_threads(threads: int | None) -> Iterator[None]:
     stays nearly idle, and the kernels run on the thread that executes the program.
     Afterwards every thread's mask is restored, so the pool keeps its size while the
     other threads (gloo's, the runtime's) run anywhere, as PyTorch's do under
-    `torch.set_num_threads` (the peer rows, `_peerworker.py`).
+    `torch.set_num_threads` (the peer rows, `network.peer`).
     """
     if threads is None:
         yield
@@ -141,7 +145,7 @@ def _join(config: dict[str, Any], devices: int) -> list[Any]:
     The backend starts here, with `config["threads"]` compute threads (`compute_threads`;
     absent or None: XLA's default, a thread per CPU).
     """
-    import _runtime
+    from gradcomm_experiments import runtime
 
     args = argparse.Namespace(
         devices=devices,
@@ -150,7 +154,7 @@ def _join(config: dict[str, Any], devices: int) -> list[Any]:
         process_id=config["process"],
     )
     with compute_threads(config.get("threads")):
-        return _runtime.setup(args)
+        return runtime.setup(args)
 
 
 def start(config: dict[str, Any], devices: int) -> tuple[list[Any], Any]:
@@ -175,16 +179,16 @@ def start(config: dict[str, Any], devices: int) -> tuple[list[Any], Any]:
 
 def worker(config: dict[str, Any]) -> None:
     """One host's process: trains with every method, prints records (process 0) as JSON."""
-    import _provenance
+    from gradcomm_experiments import provenance
 
     local = config["local"]
     devices, log = start(config, 2 if local else 1)
     import jax
     import numpy as np
     import optax
-    from _loop import bytes_per_step
 
     from gradcomm import parallel
+    from gradcomm_experiments.loop import bytes_per_step
 
     nodes = config["nodes"]
     # The hosts' axis factored into size-2 axes, so that pairwise swaps (Adasum, SGP,
@@ -202,9 +206,9 @@ def worker(config: dict[str, Any]) -> None:
     for label in labels:
         spec = spec_of(label)
         if local and label == "allreduce":  # the baseline averages over every device
-            method = _methods.build(spec, optax.adam(1e-4), mesh.axis_names)
+            method = methods.build(spec, optax.adam(1e-4), mesh.axis_names)
         else:
-            method = _methods.build(spec, optax.adam(1e-4), axis)
+            method = methods.build(spec, optax.adam(1e-4), axis)
         params, state, step = method.start(loss_fn, mesh, host_params, donate=True)
         sent = None
         if config["measure_bytes"]:
@@ -223,7 +227,7 @@ def worker(config: dict[str, Any]) -> None:
             }
             for label, run in runs.items()
         }
-        info = _provenance.devices_info(devices)
+        info = provenance.devices_info(devices)
         print("RESULT " + json.dumps({"results": out, "devices": info}), flush=True)
 
 
@@ -297,7 +301,7 @@ def pattern_worker(config: dict[str, Any]) -> None:
     device sends one buffer, as in a swap) and a 2-member psum of the buffer, which is
     what gradcomm's pairwise exchange runs (on the bits, as unsigned integers).
     """
-    import _provenance
+    from gradcomm_experiments import provenance
 
     devices = _join(config, 1)
     import jax
@@ -358,5 +362,11 @@ def pattern_worker(config: dict[str, Any]) -> None:
         if jax.process_index() == 0:
             print(f"[{config['rate']} N={n}] {name}: {results[name]:.3f} s", file=sys.stderr)
     if jax.process_index() == 0:
-        info = _provenance.devices_info(devices)
+        info = provenance.devices_info(devices)
         print("RESULT " + json.dumps({"results": results, "devices": info}), flush=True)
+
+
+if __name__ == "__main__":  # one host's process: the JSON config is the only argument
+    from gradcomm_experiments.network import mesh
+
+    mesh.run_worker(json.loads(sys.argv[1]))
