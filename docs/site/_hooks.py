@@ -7,13 +7,16 @@ the nav does not list are reachable by link only (mkdocs' `not_in_nav`).
 
 A page's `<!-- methods table -->` line becomes the table of `gradcomm.registry`, with a
 column linking each method's page (`<!-- methods table: signatures -->` also gives each
-factory's signature), so no page keeps a list of methods by hand.
+factory's signature), so no page keeps a list of methods by hand. A registered method
+whose page (`methods/<page>.md`) is not written yet gets one made from its module's
+docstring and API, listed under Methods in the navigation.
 """
 
 from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files, InclusionLevel
+from mkdocs.structure.nav import Navigation, Section
 from mkdocs.structure.pages import Page
 
 from gradcomm import registry
@@ -32,7 +35,27 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
                 file = File(src, str(DOCS), config["site_dir"], config["use_directory_urls"])
                 file.inclusion = InclusionLevel.NOT_IN_NAV
                 files.append(file)
+    for method in registry.METHODS.values():
+        src = f"methods/{method.page}.md"
+        if files.get_file_from_path(src) is None:
+            module = method.factory.__module__
+            content = f"# {method.title}\n\n::: {module}\n"
+            files.append(File.generated(config, src, content=content))
     return files
+
+
+def on_nav(nav: Navigation, config: MkDocsConfig, files: Files) -> Navigation:
+    listed = {page.file.src_uri for page in nav.pages}
+    (methods,) = [s for s in nav.items if isinstance(s, Section) and s.title == "Methods"]
+    for method in registry.METHODS.values():
+        file = files.get_file_from_path(f"methods/{method.page}.md")
+        if file.src_uri not in listed:
+            listed.add(file.src_uri)
+            page = Page(method.title, file, config)
+            page.parent = methods
+            methods.children.append(page)
+            nav.pages.append(page)
+    return nav
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:

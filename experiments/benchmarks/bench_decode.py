@@ -42,10 +42,10 @@ from gradcomm_experiments.timing import device_pairs, median_seconds
 
 def sort_decode(values: jax.Array, indices: jax.Array, size: int, divide_by: int) -> jax.Array:
     """The pairs summed in device order by one sort, N - 1 shifted adds and one scatter."""
-    from gradcomm import _axes
+    from gradcomm import _numeric
 
     n = values.shape[0]
-    ct = _axes.compute_dtype(values.dtype)
+    ct = _numeric.compute_dtype(values.dtype)
     index, value = lax.sort(
         (indices.reshape(-1), values.reshape(-1).astype(ct)), num_keys=1, is_stable=True
     )

@@ -1,5 +1,6 @@
 """The registry: one entry per method, read by the docs, the step-time model and the studies."""
 
+import importlib
 import inspect
 import pathlib
 from typing import Any, NamedTuple
@@ -41,7 +42,11 @@ def test_the_readme_table_is_the_registrys():
 @pytest.mark.parametrize("name", sorted(registry.METHODS))
 def test_each_entry_has_a_page_a_pattern_and_a_window(name):
     entry = registry.METHODS[name]
-    assert (ROOT / "docs" / "site" / "methods" / f"{entry.page}.md").is_file()
+    page = ROOT / "docs" / "site" / "methods" / f"{entry.page}.md"
+    module = importlib.import_module(entry.factory.__module__)
+    assert page.is_file() or module.__doc__, "the docs make its page from its module's docstring"
+    home = entry.factory.__module__.split(".")[1]  # gradcomm.<home>[._private]
+    assert (ROOT / "tests" / "methods" / f"test_{home}.py").is_file(), "its test file"
     collectives = perfmodel.pattern(name, 4096, 4)
     assert collectives and sum(c.sent() for c in collectives) > 0
     assert perfmodel.pattern(name, 4096, 1) == []

@@ -96,7 +96,7 @@ def special_values(n, dtype):
 
 
 def exchange_fn(distance):
-    return lambda x, names: _collectives.exchange(x, names, distance)
+    return lambda x, names: _collectives.swap(x, names, distance)
 
 
 EXCHANGE_FNS = {d: exchange_fn(d) for d in (1, 2, 4)}

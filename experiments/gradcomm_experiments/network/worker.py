@@ -26,14 +26,17 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gradcomm_experiments import methods
+if TYPE_CHECKING:  # imported where used: it imports gradcomm, and the peer must not
+    from gradcomm_experiments import methods
 
 
 def spec_of(label: str) -> methods.Spec:
     """The registry's method as the benchmark times it: in its steady state, without
     gradient dropping's drop-ratio warm-up."""
+    from gradcomm_experiments import methods
+
     spec = methods.METHODS[label]
     return spec.configured(warmup_steps=0) if "warmup_steps" in spec.options else spec
 
@@ -188,6 +191,7 @@ def worker(config: dict[str, Any]) -> None:
     import optax
 
     from gradcomm import parallel
+    from gradcomm_experiments import methods
     from gradcomm_experiments.loop import bytes_per_step
 
     nodes = config["nodes"]
