@@ -27,8 +27,6 @@ bench_decode.md and bench_decode.png (sort over loop against N) to --out.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 from typing import Any
 
 import jax
@@ -128,10 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--overlap", type=float, default=0.5, help="share of each device's indices common to all"
     )
-    parser.add_argument("--repeats", type=int, default=50, help="timed calls per measurement")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
-    parser.add_argument("--out", default="runs/bench_decode", help="output directory")
-    cli.add_quiet(parser)
+    cli.add_outputs(
+        parser,
+        "runs/bench_decode",
+        repeats=(50, "timed calls per measurement"),
+        seed="random seed of the pairs",
+    )
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:
@@ -164,12 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
     }
     text = table(rows, device.device_kind)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
-    (out / "bench_decode.md").write_text(text + "\n")
-    report.save_figure(
-        out / "bench_decode.png",
+    out = report.write_bench(
+        args.out,
+        "bench_decode",
+        result,
+        text,
         lambda fig: plot(fig, rows),
         title=f"Sparse decode on {device.device_kind}: one sort against gradcomm's loop",
         size=(7.5, 5),

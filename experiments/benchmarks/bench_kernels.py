@@ -330,10 +330,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--densities", default="0.001,0.01", help="top-k densities k / size")
     parser.add_argument("--ranks", default="2,4", help="PowerSGD ranks")
     parser.add_argument("--senders", type=int, default=8, help="N: devices a decompress sums")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per kernel")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the gradient")
-    parser.add_argument("--out", default="runs/bench_kernels", help="output directory")
-    cli.add_quiet(parser)
+    cli.add_outputs(
+        parser,
+        "runs/bench_kernels",
+        repeats=(10, "timed calls per kernel"),
+        seed="random seed of the gradient",
+    )
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import pathlib
 import re
 from collections.abc import Callable
@@ -256,10 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--overlap", type=float, default=0.5, help="share of each device's indices common to all"
     )
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the pairs")
-    parser.add_argument("--out", default="runs/bench_scaling", help="output directory")
-    cli.add_quiet(parser)
+    cli.add_outputs(
+        parser,
+        "runs/bench_scaling",
+        repeats=(20, "timed calls per measurement"),
+        seed="random seed of the pairs",
+    )
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:
@@ -286,12 +287,11 @@ def main(argv: list[str] | None = None) -> None:
         "adasum": [r["adasum"] for r in rows],
     }
     table = tables(result)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_scaling.json").write_text(json.dumps(result, indent=1))
-    (out / "bench_scaling.md").write_text(table + "\n")
-    report.save_figure(
-        out / "bench_scaling.png",
+    out = report.write_bench(
+        args.out,
+        "bench_scaling",
+        result,
+        table,
         lambda fig: plot(fig, result),
         title=f"Cost against N: leaves of {args.sizes} elements, density {args.density:g}",
     )

@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=int, default=2, help="devices on the model axis")
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden units")
     parser.add_argument("--width", type=int, default=512, help="the MLP's input and output width")
-    parser.add_argument("--out", default="runs/bench_sharded", help="output directory")
-    cli.add_quiet(parser)
+    cli.add_outputs(parser, "runs/bench_sharded")
     args = parser.parse_args(argv)
 
     def check(args: argparse.Namespace) -> None:

@@ -39,6 +39,24 @@ def make_parser(doc: str | None) -> argparse.ArgumentParser:
     )
 
 
+def add_outputs(
+    parser: argparse.ArgumentParser,
+    out: str,
+    *,
+    repeats: tuple[int, str] | None = None,
+    seed: str | None = None,
+) -> argparse.ArgumentParser:
+    """A benchmark's last flags: `--repeats` (default and help) and `--seed` (its help)
+    where it times and draws, then `--out` (default `out`) and `--quiet`."""
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats[0], help=repeats[1])
+    if seed is not None:
+        parser.add_argument("--seed", type=int, default=0, help=seed)
+    parser.add_argument("--out", default=out, help="output directory")
+    add_quiet(parser)
+    return parser
+
+
 def add_quiet(parser: argparse.ArgumentParser | Any) -> None:
     """`--quiet` (and its older name `--no-progress`): no progress bars."""
     parser.add_argument(
@@ -71,6 +89,20 @@ def check(
             fn(args)
         except ValueError as e:
             parser.error(str(e))
+
+
+def device_counts(args: argparse.Namespace) -> list[int]:
+    """The N of `--sizes`, each at least 1, the largest within `--devices` (if given).
+
+    Raises:
+      ValueError: saying which flag to change.
+    """
+    sizes = comma_list(args.sizes, int, "--sizes")
+    if min(sizes) < 1:
+        raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
+    if args.devices is not None and args.devices < max(sizes):
+        raise ValueError(f"--sizes up to {max(sizes)} needs --devices {max(sizes)} or more")
+    return sizes
 
 
 def comma_list(text: str, kind: Callable[[str], Any], flag: str) -> list[Any]:

@@ -77,6 +77,24 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def write_bench(
+    out: str | os.PathLike,
+    name: str,
+    result: dict[str, Any],
+    table: str,
+    draw: Callable[[Any], None],
+    **figure: Any,
+) -> pathlib.Path:
+    """A benchmark's outputs in `out`: `<name>.json` (`result`), `<name>.md` (`table`) and
+    `<name>.png` (`save_figure(draw, **figure)`). Returns the folder."""
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (folder / f"{name}.md").write_text(table + "\n")
+    save_figure(folder / f"{name}.png", draw, **figure)
+    return folder
+
+
 def save_figure(
     path: str | os.PathLike,
     draw: Callable[[Any], None],

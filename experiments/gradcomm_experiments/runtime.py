@@ -140,6 +140,20 @@ def seed_list(args: argparse.Namespace) -> list[int]:
     return cli.comma_list(args.seeds, int, "--seeds")
 
 
+def setup_sizes(args: argparse.Namespace) -> tuple[list[int], list[jax.Device]]:
+    """For a study over N devices: the distinct N of `--sizes`, sorted, and `setup`'s
+    devices (by default as many as the largest N).
+
+    Exits with a message where fewer devices than the largest N can be had.
+    """
+    sizes = sorted(set(cli.comma_list(args.sizes, int, "--sizes")))
+    args.devices = args.devices or max(sizes)
+    devices = setup(args)
+    if max(sizes) > len(devices):
+        raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
+    return sizes, devices
+
+
 def setup(args: argparse.Namespace) -> list[jax.Device]:
     """Configures JAX for the run and returns the devices to use (all processes').
 

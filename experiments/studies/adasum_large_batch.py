@@ -14,8 +14,6 @@ measured here at the largest N. Writes adasum_large_batch.{json,png,md} to --out
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import numpy as np
 import optax
@@ -33,13 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     runtime.add_schedule_args(parser, epochs=8, batch_size=4, probe_every=2, seeds=True)
     runtime.add_common_args(parser)
-    args = runtime.parse_args(parser, argv, check_sizes)
-    sizes = sorted(set(cli.comma_list(args.sizes, int, "--sizes")))
-    args.devices = args.devices or max(sizes)
-
-    devices = runtime.setup(args)
-    if max(sizes) > len(devices):
-        raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
+    args = runtime.parse_args(parser, argv, cli.device_counts)
+    sizes, devices = runtime.setup_sizes(args)
     task = tasks.cnn_task(args)
     main_process = runtime.is_main_process()
 
@@ -104,15 +97,6 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.batch_size} examples per device, {args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
-
-
-def check_sizes(args: argparse.Namespace) -> None:
-    """Every N of `--sizes` is at least 1, and `--devices` (if given) holds the largest."""
-    sizes = cli.comma_list(args.sizes, int, "--sizes")
-    if min(sizes) < 1:
-        raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
-    if args.devices is not None and args.devices < max(sizes):
-        raise ValueError(f"--sizes up to {max(sizes)} needs --devices {max(sizes)} or more")
 
 
 def plot(fig: object, sizes: list[int], rows: list[tuple], probed: loop.RunResult) -> None:

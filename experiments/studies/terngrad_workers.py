@@ -48,12 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime.add_schedule_args(parser, epochs=20)
     runtime.add_common_args(parser)
     args = runtime.parse_args(parser, argv, check_sizes)
-    sizes = sorted(set(cli.comma_list(args.sizes, int, "--sizes")))
-    args.devices = args.devices or max(sizes)
-
-    devices = runtime.setup(args)
-    if max(sizes) > len(devices):
-        raise SystemExit(f"--sizes up to {max(sizes)} needs that many devices, got {len(devices)}")
+    sizes, devices = runtime.setup_sizes(args)
     task = tasks.cnn_task(args)
     main_process = runtime.is_main_process()
 
@@ -100,14 +95,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def check_sizes(args: argparse.Namespace) -> None:
-    """Every N of `--sizes` is at least 1, divides `--total-batch` and fits `--devices`."""
-    sizes = cli.comma_list(args.sizes, int, "--sizes")
-    if min(sizes) < 1:
-        raise ValueError(f"--sizes {args.sizes}: every N must be at least 1")
+    """`cli.device_counts`, each N also dividing `--total-batch`."""
+    sizes = cli.device_counts(args)
     if any(args.total_batch % n for n in sizes):
         raise ValueError(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
-    if args.devices is not None and args.devices < max(sizes):
-        raise ValueError(f"--sizes up to {max(sizes)} needs --devices {max(sizes)} or more")
 
 
 # Each variant drawn as the registry's method it is.
