@@ -6,7 +6,7 @@ collectives over a named mesh axis. `gradcomm.parallel` builds the sharded train
 `gradcomm.wire` reads the bytes each device sends from the compiled program.
 """
 
-from gradcomm import parallel, perfmodel, sparse, sync, topology, wire
+from gradcomm import parallel, perfmodel, registry, sparse, sync, topology, wire
 from gradcomm.adasum import (
     AdasumState,
     adasum,
@@ -80,6 +80,7 @@ __all__ = [
     "perfmodel",
     "periodic_average",
     "powersgd",
+    "registry",
     "sgp",
     "slgs",
     "sparse",

@@ -112,3 +112,22 @@ def test_every_committed_result_says_what_made_it():
             assert not missing, f"{path.relative_to(ROOT)}: provenance lacks {missing}"
             made_here = prov["git_commit"] != "unknown" or "backfilled" in prov
             assert made_here, f"{path.relative_to(ROOT)}: neither a commit nor a note"
+
+
+def test_the_layout_shows_the_architecture():
+    """No module over 400 lines; a private module stays at the top of the package only if
+    two or more modules import it (else it lives in its method's package)."""
+    import re
+
+    sources = {p: p.read_text() for p in (ROOT / "gradcomm").rglob("*.py")}
+    long = [str(p.relative_to(ROOT)) for p, text in sources.items() if text.count("\n") > 400]
+    assert not long, f"over 400 lines: {long}"
+    for path in (ROOT / "gradcomm").glob("_*.py"):
+        if path.name == "__init__.py":
+            continue
+        name = path.stem
+        users = [p for p, text in sources.items() if p != path and re.search(rf"\b{name}\b", text)]
+        assert len(users) >= 2, f"gradcomm/{path.name} has one user: move it into its package"
+    scripts = [*(ROOT / "experiments").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
+    edits = [str(p) for p in scripts if "sys.path." + "insert" in p.read_text()]
+    assert not edits, f"import the shared package by name, no sys.path edits: {edits}"
