@@ -330,13 +330,11 @@ def test_side_by_side_spreads_only_methods_at_about_the_same_bytes():
     assert xs[2] < xs[1] < xs[3] and all(abs(x / 21500 - 1) < 0.1 for x in xs[1:4])
 
 
-# Records written from a dirty tree, each awaiting a rerun from a clean checkout: the
-# PyTorch peer's (the peer extra, root and ~30 min of links), the 16-bit exchanges' network
-# grid (root, ~40 min) and the PowerSGD rank study, from before this test existed, and the
-# GPU kernels (a lent H200 ran the working tree; its device time is spent until a session
-# is lent another). The test keeps this list exact: a rerun must take its record off.
+# Records written from a dirty tree before this test existed, each awaiting a rerun from a
+# clean checkout: the PyTorch peer's (the peer extra, root and ~30 min of links), the
+# 16-bit exchanges' network grid (root, ~40 min) and the PowerSGD rank study. The test
+# keeps this list exact: a rerun must take its record off, and no other may join it.
 AWAITING_A_CLEAN_RERUN = {
-    "docs/bench/kernels_gpu/bench_kernels.json",
     "docs/bench/low_precision/network.json",
     "docs/bench/peer/network.json",
     "docs/bench/peer/patterns.json",
