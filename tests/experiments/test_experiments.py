@@ -330,22 +330,9 @@ def test_side_by_side_spreads_only_methods_at_about_the_same_bytes():
     assert xs[2] < xs[1] < xs[3] and all(abs(x / 21500 - 1) < 0.1 for x in xs[1:4])
 
 
-# Records written from a dirty tree before this test existed, each awaiting a rerun from a
-# clean checkout: the PyTorch peer's (the peer extra, root and ~30 min of links), the
-# 16-bit exchanges' network grid (root, ~40 min) and the PowerSGD rank study. The test
-# keeps this list exact: a rerun must take its record off, and no other may join it.
-AWAITING_A_CLEAN_RERUN = {
-    "docs/bench/low_precision/network.json",
-    "docs/bench/peer/network.json",
-    "docs/bench/peer/patterns.json",
-    "docs/results/powersgd_rank.json",
-}
-
-
 def test_committed_results_come_from_a_clean_tree():
     """Every result under docs/ was made from committed code: its provenance says the
-    tree was not dirty (records made before provenance existed say `backfilled`), but for
-    the records of `AWAITING_A_CLEAN_RERUN`, which must still be dirty."""
+    tree was not dirty (records made before provenance existed say `backfilled`)."""
     dirty = set()
     for path in sorted((ROOT / "docs").rglob("*.json")):
         data = json.loads(path.read_text())
@@ -353,10 +340,7 @@ def test_committed_results_come_from_a_clean_tree():
             prov = record.get("provenance", {})
             if "backfilled" not in prov and prov.get("git_dirty") is True:
                 dirty.add(str(path.relative_to(ROOT)))
-    new = sorted(dirty - AWAITING_A_CLEAN_RERUN)
-    assert not new, f"made from a dirty tree (rerun from a clean checkout): {new}"
-    rerun = sorted(AWAITING_A_CLEAN_RERUN - dirty)
-    assert not rerun, f"clean now: take them off AWAITING_A_CLEAN_RERUN: {rerun}"
+    assert not dirty, f"made from a dirty tree (rerun from a clean checkout): {sorted(dirty)}"
 
 
 def test_provenance_outside_a_checkout(tmp_path):
