@@ -32,16 +32,16 @@ all-reduce does:
 * **pairwise** (over size-2 mesh axes, `gradcomm.parallel.pairwise_axes`): recursive
   halving in two-member reduce-scatters, then a gather by recursive doubling.
 
-Over gloo (XLA:CPU in several processes) a float16 all-reduce is slow to add (50 ms for
-4.2M values between two processes against 25 ms in float32 and 16 ms in uint16, one
+Over gloo (XLA:CPU in several processes) a float16 all-reduce is slow to add (56 ms for
+4.2M values between two processes against 33 ms in float32 and 18 ms in uint16, one
 compute thread each; docs/bench/peer/patterns.md), and a `ppermute` in which two processes
 send to each other, like an all-to-all's swaps, runs at half the link's speed. The ring
 has no such swap for N > 2; at N = 2 its one shift is a swap, which the pairwise scheme
 runs as a two-member reduce-scatter at full speed. So "auto" on CPU devices in several
 processes is "pairwise" at N = 2 and "ring" above it, and elsewhere the above: the all_to_all
 for bfloat16 off GPU, else the psum. Over 100 Mbit links (a 4.2M-parameter MLP, float16),
-the ring's step took 0.51x the float32 all-reduce's at N = 4, against the pairwise
-scheme's 0.56x and the psum's 0.53x; at N = 8, 0.56x against 0.77x and 0.70x
+the ring's step took 0.52x the float32 all-reduce's at N = 4, against the pairwise
+scheme's 0.58x and the psum's 0.57x; at N = 8, 0.61x against 0.81x and 0.83x
 (docs/bench/peer/network.md, docs/bench/low_precision/network.md).
 
 Overflow cannot raise under `jit`, so it is reported in the state: a step overflowed when
