@@ -88,7 +88,7 @@ class Method:
 
     def where(self) -> str:
         """Where it goes, in words (the methods table's last column)."""
-        per_device = self.per_device and self.placement != "params"  # a sync's params are
+        per_device = self.per_device and self.placement != "params"  # a sync: said already
         return _WHERE[self.placement] + (", per-device params" if per_device else "")
 
     def hides_in(self, options: Mapping[str, Any] | None = None) -> Window:
