@@ -12,7 +12,6 @@ from gradcomm.perfmodel._crossover import crossover_table
 from gradcomm.perfmodel._fit import (
     Calibration,
     calibrate,
-    current_record,
     fit_markdown,
     fit_report,
     key,
@@ -37,7 +36,7 @@ def _fit(
 ) -> dict[str, Any]:
     """Prints the fit to `network` and the crossover table; returns them for --json."""
     with open(network) as f:  # gradcomm's records; the peer rows (PyTorch DDP) model nothing
-        records = [current_record(r) for r in json.load(f) if r.get("framework", "jax") == "jax"]
+        records = [r for r in json.load(f) if r.get("framework", "jax") == "jax"]
     if backend == "auto":  # the records say how the benchmark's swaps ran
         pairwise = any(r.get("exchange") == "pairwise" for r in records)
         backend = "gloo-pairwise" if pairwise else "gloo"

@@ -36,36 +36,9 @@ def key(
     return text
 
 
-# Records written before the rename of the exchange options (ARCHITECTURE.md, "One
-# vocabulary"), per method: old option -> (its name now, old value -> value now).
-_RENAMED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
-    "low_precision": {"exchange": ("exchange", {"bits": "all_to_all"})},
-    "terngrad": {"wire": ("exchange", {"packed": "auto", "simulate": "psum"})},
-}
-
-
-def current_record(r: Record) -> Record:
-    """`r` with its options as the factories name them now.
-
-    The committed records written before the rename of the exchange options say
-    low_precision's `exchange="bits"` (now "all_to_all") and terngrad's `wire=`
-    ("packed" and "simulate" now `exchange=` "auto" and "psum"); a current record comes
-    back unchanged.
-    """
-    renamed, options = _RENAMED.get(r.get("method", ""), {}), r.get("options")
-    if not options or not renamed.keys() & options.keys():
-        return r
-    now = {}
-    for name, value in options.items():
-        new_name, values = renamed.get(name, (name, {}))
-        now[new_name] = values.get(value, value) if isinstance(value, str) else value
-    return {**r, "options": now}
-
-
 def _options_and_sync(r: Record) -> dict[str, Any]:
-    """A record's method as `predict` and `key` take it: its options (as named now,
-    `current_record`) and sync."""
-    return {"options": current_record(r).get("options"), "sync": r.get("sync")}
+    """A record's method as `predict` and `key` take it: its options and sync."""
+    return {"options": r.get("options"), "sync": r.get("sync")}
 
 
 def _group(r: Record) -> Group:

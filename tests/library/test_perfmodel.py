@@ -297,26 +297,6 @@ def test_terngrad_pattern_follows_its_exchange():
     assert psum == pytest.approx(pm.predict("allreduce", P, 4, 1.0).wire_bytes)
 
 
-def test_records_from_before_the_exchange_rename_read_as_now():
-    # The committed peer records say low_precision's exchange="bits" (now "all_to_all"); a
-    # terngrad record then said wire= ("packed" and "simulate": now exchange= "auto", "psum").
-    peer = json.loads((ROOT / "docs" / "bench" / "peer" / "network.json").read_text())
-    assert any((r.get("options") or {}).get("exchange") == "bits" for r in peer)
-    cal = pm.Calibration(pm.NCCL, {(2, 1): 0.0}, {}, {}, P)
-    cell = {"nodes": 2, "params": P, "param_bytes": 4 * P, "rate_mbit": 100.0}
-    fp16 = {"dtype": "float16"}
-    for method, before, now in [
-        ("low_precision", {**fp16, "exchange": "bits"}, {**fp16, "exchange": "all_to_all"}),
-        ("terngrad", {"wire": "packed"}, {"exchange": "auto"}),
-        ("terngrad", {"wire": "simulate"}, {"exchange": "psum"}),
-        ("terngrad", {"wire": "all_gather"}, {"exchange": "all_gather"}),
-    ]:
-        got = cal.predict_record(cell | {"method": method, "options": before})
-        assert got == cal.predict_record(cell | {"method": method, "options": now}), before
-    with pytest.raises(ValueError, match="no option 'wire'"):
-        pm.predict("terngrad", P, 2, 1.0, options={"wire": "packed"})
-
-
 def test_overlap():
     args = ("sgp", 25_000_000, 16, 10.0)
     # NCCL: 1-overlap SGP hides its 0.08 s message behind the step; SGP hides nothing.
