@@ -311,3 +311,25 @@ def assert_shards_match(got, want, dtype, n):
     eps = float(jnp.finfo(dtype).eps)
     np.testing.assert_allclose(got, want, rtol=eps, atol=n * eps * np.abs(want).max())
     assert not got[want == 0].any()
+
+
+def hand_written_sync_loop(tx, sync, loss_fn, params, batch, mesh, steps):
+    """`steps` steps of a hand-written `shard_map` loop over per-device `params`, with the
+    one line a `ParamsSync` asks for after `apply_updates`; the per-device params."""
+    import optax
+
+    spec = P("data")
+
+    def loop(p, batch):
+        p = jax.tree.map(lambda x: x[0], p)
+        opt_state, sync_state = tx.init(p), sync.init(p)
+        for _ in range(steps):
+            grads = jax.grad(loss_fn)(p, batch)
+            updates, opt_state = tx.update(grads, opt_state, p)
+            p = optax.apply_updates(p, updates)
+            p, sync_state = sync.update(p, sync_state)  # the one line
+        return jax.tree.map(lambda x: x[None], p)
+
+    fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    placed = jax.device_put(parallel.per_device(params, mesh), NamedSharding(mesh, spec))
+    return jax.tree.map(np.asarray, fn(placed, parallel.shard_batch(batch, mesh)))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of, restore, save
+from helpers import hand_written_sync_loop, mesh_of, restore, save
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -132,21 +132,7 @@ def test_hand_written_loop_with_the_one_line():
     tx, sync = optax.sgd(INNER_LR), diloco("data", every=H)
     mesh = mesh_of(n)
     params, batch = problem(n)
-    spec = P("data")
-
-    def loop(p, batch):
-        p = jax.tree.map(lambda x: x[0], p)
-        opt_state, sync_state = tx.init(p), sync.init(p)
-        for _ in range(H * ROUNDS):
-            grads = jax.grad(loss_fn)(p, batch)
-            updates, opt_state = tx.update(grads, opt_state, p)
-            p = optax.apply_updates(p, updates)
-            p, sync_state = sync.update(p, sync_state)  # the one line
-        return jax.tree.map(lambda x: x[None], p)
-
-    fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
-    placed = jax.device_put(parallel.per_device(params, mesh), NamedSharding(mesh, spec))
-    got = jax.tree.map(np.asarray, fn(placed, parallel.shard_batch(batch, mesh)))
+    got = hand_written_sync_loop(tx, sync, loss_fn, params, batch, mesh, H * ROUNDS)
     jax.tree.map(np.testing.assert_array_equal, got, run(n, sync)[0][-1])
 
 

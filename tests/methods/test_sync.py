@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of
+from helpers import hand_written_sync_loop, mesh_of
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,21 +54,7 @@ def test_hand_written_loop_with_the_one_line():
     tx, sync = optax.sgd(0.1), gradcomm.periodic_average("data", every=K)
     mesh = mesh_of(N)
     params, batch = problem()
-    spec = P("data")
-
-    def run(p, batch):
-        p = jax.tree.map(lambda x: x[0], p)
-        opt_state, sync_state = tx.init(p), sync.init(p)
-        for _ in range(STEPS):
-            grads = jax.grad(loss_fn)(p, batch)
-            updates, opt_state = tx.update(grads, opt_state, p)
-            p = optax.apply_updates(p, updates)
-            p, sync_state = sync.update(p, sync_state)  # the one line
-        return jax.tree.map(lambda x: x[None], p)
-
-    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
-    placed = jax.device_put(parallel.per_device(params, mesh), NamedSharding(mesh, spec))
-    got = jax.tree.map(np.asarray, fn(placed, parallel.shard_batch(batch, mesh)))
+    got = hand_written_sync_loop(tx, sync, loss_fn, params, batch, mesh, STEPS)
     expected = train(tx, sync)[0][-1]
     jax.tree.map(np.testing.assert_array_equal, got, expected)
 
