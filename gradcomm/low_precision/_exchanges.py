@@ -29,6 +29,17 @@ def flags(mean_nonfinite: jax.Array, inputs_nonfinite: jax.Array) -> jax.Array:
     return jnp.stack([mean_nonfinite, inputs_nonfinite]).astype(jnp.int32)
 
 
+def _round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    """x in the 16-bit `dtype`, rounded there whatever XLA does with the casts.
+
+    Over one device XLA drops the all-reduce, and with its default excess precision (on a
+    GPU) then folds the cast to 16 bits and back away: the "mean" came back unrounded. No
+    simplification crosses an optimization barrier. (`lax.reduce_precision` would flush
+    float16's subnormals to zero.)
+    """
+    return lax.optimization_barrier(x.astype(dtype))
+
+
 def psum_mean(
     groups: list[list[jax.Array]], axis_name: _axes.AxisName, n: int, dtype: np.dtype
 ) -> tuple[list[list[jax.Array]], list[jax.Array]]:
@@ -39,7 +50,7 @@ def psum_mean(
     """
     operands = []
     for xs in groups:
-        operands += [(x.astype(_numeric.compute_dtype(x.dtype)) / n).astype(dtype) for x in xs]
+        operands += [_round_to(x.astype(_numeric.compute_dtype(x.dtype)) / n, dtype) for x in xs]
         operands.append(jnp.where(all_finite(xs), 0, 1).astype(dtype))
     sums = lax.psum(tuple(operands), axis_name)
     means, group_flags, start = [], [], 0
