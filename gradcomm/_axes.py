@@ -135,24 +135,45 @@ def _platform() -> str:
 def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
     """Whether pairwise swaps over `axis_name` go through `exchange` rather than `ppermute`.
 
-    "permute" never does; "pairwise" always does, and needs every axis of `axis_name` to
-    have size 2 (or 1; see `gradcomm.parallel.pairwise_axes`); "auto" does where that
-    holds, under `shard_map` or `pmap`, on CPU devices in more than one process. There
-    the collectives go over the network through gloo, which runs a `ppermute` in which
-    two devices send to each other at half the link's speed and a two-member reduce-scatter
-    at full speed both ways. NCCL and TPU ICI have no such penalty, and within one
-    process there is no link, so "auto" keeps `ppermute` there.
+    "permute" never does; "pairwise" does under `shard_map` or `pmap`, and needs a
+    power-of-two number of devices over `axis_name` (the pairs are replica groups of one
+    collective, `gradcomm._collectives.swap`). Under a named `vmap` there is no link, and
+    the permutes give the same bits. "auto" follows the link's probe where one was taken
+    (`gradcomm.parallel.calibrate`, `record_probe`): the faster of the two there. Without
+    one it pairs on CPU devices in more than one process, where the collectives go over
+    the network through gloo, which runs a `ppermute` in which two devices send to each
+    other at half the link's speed and a two-member reduce-scatter at full speed both
+    ways; NCCL and TPU ICI have no such penalty, and within one process there is no link.
     """
-    sizes = {name: axis_size(name) for name in axis_names(axis_name)}
-    factored = all(size <= 2 for size in sizes.values())
-    if exchange == "pairwise" and not factored:
+    n = axis_size(axis_name)
+    power = n > 1 and not n & (n - 1)
+    if exchange == "pairwise" and not power and n > 1:
         raise ValueError(
-            f"{who}: exchange='pairwise' needs axis_name to name mesh axes of size 2 only "
-            f"(build them with gradcomm.parallel.pairwise_axes), got sizes {sizes}"
+            f"{who}: exchange='pairwise' needs a power-of-two number of devices over "
+            f"axis_name, got {n}; use exchange='permute' (or 'auto')"
         )
-    if exchange == "auto":
-        return factored and on_gloo(axis_name)
-    return exchange == "pairwise"
+    if not power or not is_manual(axis_name) or exchange == "permute":
+        return False
+    if exchange == "pairwise":
+        return True
+    probed = _PROBES.get(link_key())
+    return probed == "pairwise" if probed is not None else on_gloo(axis_name)
+
+
+_PROBES: dict[tuple[str, int], str] = {}  # link_key -> the exchange the probe found faster
+
+
+def link_key() -> tuple[str, int]:
+    """What identifies a link for `record_probe`: the platform (of the mesh being mapped
+    over) and the process count. One probe serves every axis of the run (a hierarchical
+    method's node axis too): its pairs cross the same links."""
+    return (_platform(), jax.process_count())
+
+
+def record_probe(key: tuple[str, int], exchange: Literal["permute", "pairwise"]) -> None:
+    """Records the exchange that `gradcomm.parallel.calibrate` found faster on the link
+    `key` (`link_key`): "auto" then uses it."""
+    _PROBES[key] = exchange
 
 
 def on_gloo(axis_name: AxisName) -> bool:

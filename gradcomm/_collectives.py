@@ -3,9 +3,9 @@
 `lax.ppermute` and `lax.all_gather` behave differently under `shard_map`, `pmap` and a named
 `vmap`; the wrappers here give one behaviour everywhere. `swap` and
 `all_gather_pairwise` are the swap and the gather written as two-member reduce-scatters (and
-`reduce_scatter_pairwise` a summing reduce-scatter), which gloo runs at full speed both
-ways (see `gradcomm._axes.use_pairwise`); `reduce_scatter_ring` is a summing reduce-scatter
-of one-way shifts, which gloo also runs at full speed.
+`reduce_scatter_pairwise` a summing reduce-scatter, `pair_sum` a pair's sum), which gloo runs
+at full speed both ways (see `gradcomm._axes.use_pairwise`); `reduce_scatter_ring` is a
+summing reduce-scatter of one-way shifts, which gloo also runs at full speed.
 """
 
 from __future__ import annotations
@@ -64,25 +64,24 @@ def ppermute(x: jax.Array, axis_name: AxisName, perm: Sequence[tuple[int, int]])
     return jnp.where(listed, received, jnp.zeros_like(received))
 
 
-def _bit_axes(axis_name: AxisName) -> tuple[str, ...]:
-    """The size-2 axes of `axis_name`, least significant first (size-1 axes add no bit)."""
-    sizes = {name: axis_size(name) for name in axis_names(axis_name)}
-    if any(size > 2 for size in sizes.values()):
-        raise ValueError(f"pairwise exchanges need mesh axes of size 2, got sizes {sizes}")
-    return tuple(name for name in reversed(sizes) if sizes[name] == 2)
+def _levels(axis_name: AxisName) -> int:
+    """log2 of the number of devices over `axis_name`, a power of two."""
+    n = axis_size(axis_name)
+    if n & (n - 1):
+        raise ValueError(f"pairwise exchanges need a power-of-two number of devices, got {n}")
+    return n.bit_length() - 1
 
 
-def pair_axis(axis_name: AxisName, distance: int) -> str:
-    """The size-2 axis in which device i and device i ^ distance differ.
+def pair_groups(n: int, distance: int) -> list[list[int]]:
+    """The pairs {i, i ^ distance} of n devices, lower first: two-member replica groups."""
+    if distance != 1 << (distance.bit_length() - 1) or distance >= n:
+        raise ValueError(f"no pairs of {n} devices {distance} apart (a power of two below n)")
+    return [[i, i ^ distance] for i in range(n) if not i & distance]
 
-    The index over a tuple of axes is row-major, so over axes of size 2 (or 1), bit j of
-    the index is the index along the j-th size-2 axis from the end.
-    """
-    bit_axes = _bit_axes(axis_name)
-    level = distance.bit_length() - 1
-    if distance != 1 << level or level >= len(bit_axes):
-        raise ValueError(f"no size-2 axis of {axis_name!r} pairs devices {distance} apart")
-    return bit_axes[level]
+
+def is_upper(axis_name: AxisName, distance: int) -> jax.Array:
+    """Whether this device is the upper one of its pair {i, i ^ distance}: bit log2(d) of i."""
+    return lax.axis_index(axis_name) & distance != 0
 
 
 def _unsigned(dtype: np.dtype) -> np.dtype:
@@ -93,29 +92,36 @@ def _unsigned(dtype: np.dtype) -> np.dtype:
 def swap(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
     """Device i receives x of device i ^ distance, exactly, through a 2-member reduce-scatter.
 
-    Over the one size-2 axis that separates the pair, each device lays out two slots, its
-    own bits (as unsigned integers) in its partner's slot and zeros in its own, and a
-    reduce-scatter hands each device the sum of its slot: the partner's bits plus zeros,
-    so -0.0, NaN payloads, bf16 and fp16 come through unchanged. Each device sends the
-    bytes of `x` once, like the swap `ppermute(x, [(i, i ^ distance)])` it replaces;
-    gloo runs that swap at half speed and this at full speed both ways.
+    Each pair {i, i ^ distance} is one replica group of a reduce-scatter over `axis_name`
+    (`pair_groups`), so the pairs need no mesh axes of their own: one axis of any
+    power-of-two size will do, as will size-2 axes (`gradcomm.parallel.pairwise_axes`).
+    Each device lays out two slots, its own bits (as unsigned integers) in its partner's
+    slot and zeros in its own, and the reduce-scatter hands each device the sum of its
+    slot: the partner's bits plus zeros, so -0.0, NaN payloads, bf16 and fp16 come
+    through unchanged. Each device sends the bytes of `x` once, like the swap
+    `ppermute(x, [(i, i ^ distance)])` it replaces; gloo runs that swap at half speed and
+    this at full speed both ways.
 
     An all-reduce of the bits less the device's own is cheaper, but it needs the device
     to subtract the very bits it sent. XLA:CPU may fuse the producer of `x` into the
     all-reduce's operand and into the subtraction separately and contract a product into
     an FMA in one of them only; then the two differ in the last bit and the difference is
     garbage (Adasum at N = 4 returned NaN that way; `tests/suites/test_pairwise.py`). Here
-    nobody needs the bits it sent. Needs `axis_name` to be size-2 axes (`use_pairwise`)
-    and `distance` a power of two below the axis size. Its gradient is the same swap of
-    the cotangent.
+    nobody needs the bits it sent. Needs `distance` a power of two below the number of
+    devices, itself a power of two. A named `vmap` takes no replica groups and has no
+    link: there it is the `ppermute`. Its gradient is the same swap of the cotangent.
     """
-    axis = pair_axis(axis_name, distance)
+    groups = pair_groups(1 << _levels(axis_name), distance)
+    if not is_manual(axis_name):
+        return ppermute(x, axis_name, [(i, j) for pair in groups for i, j in (pair, pair[::-1])])
     x = vary(x, axis_name)  # typed like a ppermute's result over the whole axis_name
     bits = lax.bitcast_convert_type(x, _unsigned(x.dtype))
-    upper = lax.axis_index(axis) == 1
+    upper = is_upper(axis_name, distance)
     zeros = jnp.zeros_like(bits)
     slots = jnp.stack([jnp.where(upper, bits, zeros), jnp.where(upper, zeros, bits)])
-    received = lax.psum_scatter(slots, axis, scatter_dimension=0, tiled=False)
+    received = lax.psum_scatter(
+        slots, axis_name, scatter_dimension=0, tiled=False, axis_index_groups=groups
+    )
     return lax.bitcast_convert_type(received, x.dtype)
 
 
@@ -130,8 +136,19 @@ def _swap_bwd(axis_name: AxisName, distance: int, _: None, ct: jax.Array) -> tup
 swap.defvjp(_swap_fwd, _swap_bwd)
 
 
+def pair_sum(x: jax.Array, axis_name: AxisName, distance: int) -> jax.Array:
+    """x of device i plus x of device i ^ distance, the lower's first: the same bits on both.
+
+    One `swap` and an add, where a two-member `psum` would need replica groups that
+    `shard_map` does not take. Each device sends x once, at full speed both ways on gloo.
+    """
+    x = vary(x, axis_name)
+    received = swap(x, axis_name, distance)
+    return jnp.where(is_upper(axis_name, distance), received + x, x + received)
+
+
 def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    """`all_gather_invariant(x, axis_name)` over size-2 axes, as one `swap` per axis.
+    """`all_gather_invariant(x, axis_name)` as one `swap` per bit of the device index.
 
     Reverse doubling: at step j each device swaps the 2^j rows it holds with device
     i ^ 2^j, so each device sends (N - 1) rows in all, like an all-gather, and every
@@ -143,9 +160,9 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     # it for each read; with it (expanded away later, but after fusion) the select reads
     # one materialized copy. Measured: hierarchical Adasum's step 1.49x -> 1.37x allreduce.
     held = lax.optimization_barrier(x)[None]
-    for level, name in enumerate(_bit_axes(axis_name)):
+    for level in range(_levels(axis_name)):
         received = swap(held, axis_name, 1 << level)
-        upper = lax.axis_index(name) == 1  # this device's rows come second
+        upper = is_upper(axis_name, 1 << level)  # this device's rows come second
         held = jnp.concatenate([jnp.where(upper, received, held), jnp.where(upper, held, received)])
     return assume_invariant(held, axis_name)
 
@@ -153,21 +170,21 @@ def all_gather_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
 def reduce_scatter_pairwise(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """The sum over the devices of row i of `x` (N rows), on device i: recursive halving.
 
-    One `swap` per size-2 axis: at level b each device keeps the rows whose index
+    One `swap` per bit of the device index: at level b each device keeps the rows whose index
     shares its bit b, sends the other half to device i ^ 2^b, and adds what it receives,
     in float32 at least, rounded back to `x`'s dtype (a 16-bit sum of two per level, as a
     16-bit ring all-reduce rounds each partial sum). Each device sends (N - 1) / N of `x`,
     like a reduce-scatter, at full speed both ways on gloo. The tree is fixed, so the
     result is deterministic; the two partners' sums agree, a float addition commuting.
     """
-    bit_axes = _bit_axes(axis_name)
-    if x.shape[0] != 1 << len(bit_axes):
+    levels = _levels(axis_name)
+    if x.shape[0] != 1 << levels:
         raise ValueError(f"reduce_scatter_pairwise: {x.shape[0]} rows over axes of {axis_name!r}")
     wide = compute_dtype(x.dtype)
     held = x
-    for level, name in enumerate(bit_axes):
+    for level in range(levels):
         rows = held.reshape(-1, 2, *x.shape[1:])  # by the row index's bit `level`
-        upper = lax.axis_index(name) == 1
+        upper = is_upper(axis_name, 1 << level)
         keep = jnp.where(upper, rows[:, 1], rows[:, 0])
         received = swap(jnp.where(upper, rows[:, 0], rows[:, 1]), axis_name, 1 << level)
         held = (keep.astype(wide) + received.astype(wide)).astype(x.dtype)

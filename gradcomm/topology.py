@@ -96,7 +96,7 @@ def swap_distance(move: Move) -> int | None:
     """d where a move pairs every device i with i XOR d (d a power of two), else None.
 
     Such a move is a set of pairwise swaps, which `gradcomm.sgp` and `gradcomm.dpsgd` can
-    run as two-member exchanges over a mesh factored into size-2 axes.
+    run as two-member exchanges (`exchange="pairwise"`).
 
     Example:
       >>> from gradcomm import topology

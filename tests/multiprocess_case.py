@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
@@ -30,8 +31,8 @@ def pairwise_of_case() -> tuple[np.ndarray, str]:
     """Adasum and SGP over size-2 mesh axes, as one flat array, and the compiled program.
 
     Across processes `exchange="auto"` sends every pairwise swap through gloo as a
-    two-member reduce-scatter of the bits (Adasum, overlapped SGP) or a two-member psum
-    (SGP's lone-swap phase, i <-> i + 4 at N = 8); in one process it keeps `ppermute`.
+    two-member reduce-scatter of the bits (Adasum, SGP; SGP's lone-swap phase, i <-> i + 4
+    at N = 8, adds the pair's); in one process it keeps `ppermute`.
     Both must give the same bits.
     """
     n = jax.device_count()
@@ -57,3 +58,19 @@ def pairwise_of_case() -> tuple[np.ndarray, str]:
     out = parallel.host_copy(fn(inputs))
     text = fn.lower(inputs).compile().as_text()
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(out)]), text
+
+
+def probe_of_case() -> tuple[str, bool]:
+    """The probe that `parallel.train_step` took of the link (`parallel.calibrate`, cached
+    per mesh), and whether its Adasum step's "auto" then swaps pairwise (two-member
+    reduce-scatters) in the compiled program."""
+    mesh = parallel.make_mesh()
+    tx = optax.chain(optax.sgd(0.1), gradcomm.adasum("data"))
+    params = parallel.replicate({"w": np.zeros(5, np.float32)}, mesh)
+    state = parallel.init_state(tx, params, mesh)
+    loss = lambda p, b: jax.numpy.mean((b @ p["w"] - 1.0) ** 2)  # noqa: E731
+    step = parallel.train_step(loss, tx, mesh)  # across processes: probes the link
+    probe = parallel.calibrate(mesh)  # the probe train_step took, from the cache
+    batch = np.ones((4 * mesh.size, 5), np.float32)
+    text = step.lower(params, state, batch).compile().as_text()
+    return probe.exchange, "reduce-scatter(" in text

@@ -27,7 +27,8 @@ in both formats over one device (`jax.shard_map`), records the exchange resolved
 collectives of the lowered and compiled programs, and checks the mean against the float64
 reference (the gradient rounded to the format and back), compiled as XLA does by default
 and without excess precision (on one GPU, XLA drops the all-reduce and would then fold the
-rounding away but for the method's `lax.reduce_precision`): both must be exact. Writes bench_kernels.json (rewritten after each kernel) and .md to --out.
+rounding away but for the method's optimization barrier): both must be exact. Writes
+bench_kernels.json (rewritten after each kernel) and .md to --out.
 """
 
 from __future__ import annotations

@@ -104,14 +104,19 @@ _AVERAGE = {"name": "periodic_average", "every": 50}
 _DROP = {"warmup_steps": 50}
 _HIERARCHICAL = {"local_axis": "local"}
 _PERMUTE = {"exchange": "permute"}
+_PAIRWISE = {"exchange": "pairwise"}
 # fmt: off
 _SPECS = (
     Spec("allreduce", "allreduce"),
     Spec("adasum", "adasum"),
     Spec("adasum-hierarchical", "adasum", _HIERARCHICAL, local=True),
-    # Swaps as ppermutes: half speed on gloo's slow links, less CPU than the exchanges.
+    # The swaps both ways, of which "auto" takes the faster on the link (its probe,
+    # `parallel.calibrate`): ppermutes (half speed on gloo's slow links, less CPU) and
+    # two-member reduce-scatters (full speed both ways).
     Spec("adasum-permute", "adasum", _PERMUTE),
+    Spec("adasum-pairwise", "adasum", _PAIRWISE),
     Spec("adasum-hierarchical-permute", "adasum", _HIERARCHICAL | _PERMUTE, local=True),
+    Spec("adasum-hierarchical-pairwise", "adasum", _HIERARCHICAL | _PAIRWISE, local=True),
     Spec("terngrad", "terngrad"),
     Spec("lags", "lags", {"density": 0.01}),
     Spec("lags-0.001", "lags", {"density": 0.001}),
@@ -120,8 +125,12 @@ _SPECS = (
     Spec("dropping-local", "gradient_dropping", {"local": "compensated", **_DROP}, _AVERAGE),
     Spec("local-sgd", "local_sgd", {"every": 20}),
     Spec("sgp", "sgp"),
+    Spec("sgp-permute", "sgp", _PERMUTE),
+    Spec("sgp-pairwise", "sgp", _PAIRWISE),
     Spec("osgp", "sgp", {"overlap": 1}),
     Spec("dpsgd", "dpsgd"),
+    Spec("dpsgd-permute", "dpsgd", _PERMUTE),
+    Spec("dpsgd-pairwise", "dpsgd", _PAIRWISE),
     Spec("powersgd", "powersgd", {"rank": 2}),
     Spec("fp16", "low_precision", {"dtype": "float16"}),
     # float16's other exchanges ("auto" on gloo is "pairwise" at N = 2, "ring" above): the

@@ -20,10 +20,12 @@ each; `network.worker`) that trains a ~4M-parameter MLP with Adam under
 `gradcomm.parallel.train_step` with every method of the registry
 (`gradcomm_experiments.methods`). `network.report` writes the records and tables.
 
-For a power-of-two N the hosts' axis is factored into size-2 axes
-(`parallel.pairwise_axes`), so that the pairwise swaps of Adasum, SGP and D-PSGD run as
-two-member collectives, which gloo runs at full speed both ways (a swapping `ppermute`
-runs at half speed). `--patterns` times the raw collectives instead of the methods.
+The mesh is the default one, one axis across the hosts, and the methods their defaults:
+the first `train_step` probes the link (`parallel.calibrate`), and `exchange="auto"` runs
+the pairwise swaps of Adasum, SGP and D-PSGD the faster way there, as `ppermute`s or as
+two-member reduce-scatters (gloo runs a swapping `ppermute` at half speed); the
+`-permute` and `-pairwise` rows force one. Each record keeps the probe. `--patterns`
+times the raw collectives instead of the methods.
 
 Timing: after warm-up, each method runs `--steps` timed steps per run, the methods taking
 turns (interleaved, in a rotated order each run); a cell is the median over runs of each
@@ -417,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 cell = netreport.records_of(
                     payload["results"], nodes, rate, links, is_local, bytes_known,
                     args.allocator, args.threads, mesh=payload.get("mesh"),
+                    probe=payload.get("probe"),
                 )  # fmt: skip
                 records += [{**r, "provenance": payload["devices"]} for r in cell]
                 if peers is not None:

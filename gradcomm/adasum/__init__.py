@@ -17,14 +17,14 @@ How gradcomm computes it:
   its own and sends the other half. After log2 P levels device i holds row i of the result,
   and one `all_gather` gives every device the same bits. Bytes sent per device: (P-1)/P of
   the buffer in the halving phase and (N-1)/P in the gather, like a ring all-reduce.
-* Every swap is between two devices, i and i ^ 2^j. Over a mesh axis factored into size-2
-  axes they differ in one axis, and the swap can be a two-member reduce-scatter over it
-  (`exchange="pairwise"`, `_collectives.swap`), which gloo runs at full speed both ways; the
-  final gather is then reverse doubling, one exchange per axis. Same bits, same bytes.
+* Every swap is between two devices, i and i ^ 2^j, so it can be a reduce-scatter whose
+  replica groups are the pairs (`exchange="pairwise"`, `_collectives.swap`), which gloo runs
+  at full speed both ways; the final gather is then reverse doubling, one exchange per
+  level. Same bits, same bytes.
 * Per level, one pass computes per-leaf dot products and norms, the group (the 2^(j+1)
   devices that hold slices of the pair) gathers and sums them, and a second pass
   combines. Only the group exchanges them (recursive doubling within it, or one
-  all-gather over its size-2 axes), so level j sends 2^(j+1) - 1 members' statistics
+  all-gather whose replica groups are the groups), so level j sends 2^(j+1) - 1 members' statistics
   per device, whatever N.
 * For N = P + r (0 < r < P), device P + i first sends its vector to device i, which holds
   AS(g_i, g_{P+i}); the P devices then run the tree. N = 1 is the identity.
@@ -80,15 +80,14 @@ def adasum_reduce(
         each of a node's devices carries 1/L of the traffic across nodes.
       exchange: how partners swap halves. "permute": `lax.ppermute`, and one
         `all_gather` at the end. "pairwise": every swap and the final gather (as reverse
-        doubling) are two-member exchanges (a reduce-scatter of the bits over one size-2
-        axis, each device's in its partner's slot: the same data bit for bit, the same
-        bytes); needs
-        `axis_name` to be a tuple of size-2 mesh axes (`gradcomm.parallel.pairwise_axes`)
-        or one axis of size 2. "auto": "pairwise" where the axes allow it on CPU devices
-        in several processes (gloo, which runs a swapping `ppermute` at half speed),
-        "permute" elsewhere (GPU, TPU, one process). gloo's reduce-scatter costs more CPU
-        than a swap: on links faster than a few Gbit/s "permute" steps faster
-        (docs/site/guide/network.md). The result is the same bits.
+        doubling) are two-member exchanges (a reduce-scatter of the bits whose replica
+        groups are the pairs, each device's in its partner's slot: the same data bit for
+        bit, the same bytes); needs a power-of-two number of devices, and `shard_map` or
+        `pmap` (under a named `vmap` it is "permute"). "auto": the faster of the two on
+        this link where `gradcomm.parallel.calibrate` probed it (`train_step` does, across
+        processes); without a probe, "pairwise" on CPU devices in several processes
+        (gloo, which runs a swapping `ppermute` at half speed), "permute" elsewhere (GPU,
+        TPU, one process). The result is the same bits.
 
     Returns:
       A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree
@@ -243,9 +242,8 @@ def adasum(
         devices of a node runs Adasum on 1/L of it and the traffic across nodes is the
         same as with one device per node.
       exchange: "auto", "permute" or "pairwise": how partners swap (see
-        `adasum_reduce`). Across CPU processes (gloo), factor the data axis into size-2
-        axes (`gradcomm.parallel.pairwise_axes`) and pass them all as `axis_name`: "auto"
-        then makes every exchange full duplex. The result is the same bits.
+        `adasum_reduce`); "auto" takes the faster on the link. The result is the same
+        bits.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `AdasumState`.

@@ -37,22 +37,25 @@ def group_stats(
 
     Only the group's devices exchange them, so a level's bytes grow with its group, not
     with the axis: each device sends the stats of `size - 1` members, as an all-gather
-    within the group would. Over size-2 axes the group spans the pair axes of the
-    distances below `size`, and one all-gather over them collects it. Otherwise a gather
-    by recursive doubling: at distance d = 1, 2, .. size / 2 each device swaps the d
-    members it holds with device i ^ d (a `ppermute`), the lower half first, so every
-    member of the group ends with the same array, bit for bit, in device order.
+    within the group would. With `pairwise` (under `shard_map` or `pmap`) one all-gather
+    collects it, each group a replica group. Otherwise (a named `vmap` takes no replica
+    groups) a gather by recursive doubling: at distance d = 1, 2, .. size / 2 each device
+    swaps the d members it holds with device i ^ d (a `ppermute`), the lower half first,
+    so every member of the group ends with the same array, bit for bit, in device order.
 
     With `local_axis`, each group device's node-mates hold slices of the pair too: the
     members are every (local device, group device), local-major, gathered in the same
-    all-gather where the axes are size-2 ones, else in an all-gather over the local axis.
+    all-gather with `pairwise`, else in an all-gather over the local axis.
     """
     local = () if local_axis is None else _axes.axis_names(local_axis)
-    if pairwise:
-        axes = tuple(
-            _collectives.pair_axis(axis_name, 1 << j) for j in range(size.bit_length() - 1)
-        )
-        return lambda stats: lax.all_gather(stats, local + axes[::-1])
+    if pairwise:  # one all-gather, each group (and its node-mates) a replica group
+        n, per_node = _axes.axis_size(axis_name), _axes.axis_size(local) if local else 1
+        groups = [
+            [mate * n + start + j for mate in range(per_node) for j in range(size)]
+            for start in range(0, n, size)
+        ]
+        axes = local + _axes.axis_names(axis_name)
+        return lambda stats: lax.all_gather(stats, axes, axis_index_groups=groups)
 
     def gather(stats: jax.Array) -> jax.Array:
         held = stats[None]
@@ -87,8 +90,8 @@ def reduce_buffer(
     every level the rows it keeps are the first half of its buffer and the rows it sends
     the second half, in the order its partner keeps them; after the last level it holds
     row i, and a gather gives every device the whole result, the same bits everywhere.
-    With `pairwise`, every swap and the final gather are `_collectives.swap`s over
-    the size-2 axes.
+    With `pairwise`, every swap and the final gather are `_collectives.swap`s, two-member
+    replica groups of the axis.
 
     With `local_axis`, a reduce-scatter over the node leaves each local device the node's
     mean of 1/L of every leaf, the tree runs on those slices with per-leaf statistics

@@ -108,12 +108,13 @@ def sgp(
         (the hybrids of Table 3).
       exchange: how a move that swaps devices i and i ^ 2^r pairwise is sent (every
         phase at N = 2, the i + N/2 phase at any N; hypercube phases). "permute": a
-        `ppermute`. "pairwise": a two-member exchange over one size-2 axis, the same
-        bits and bytes, which gloo runs at full speed both ways (a phase that is only that
-        swap, without overlap, needs just the pair's sum: a two-member `psum`); needs
-        `axis_name` to be size-2 mesh axes (`gradcomm.parallel.pairwise_axes`). "auto":
-        "pairwise" where the axes allow it on CPU devices in several processes (gloo),
-        else "permute". Other moves are always `ppermute`s. The result is the same bits
+        `ppermute`. "pairwise": a reduce-scatter whose replica groups are the pairs, the
+        same bits and bytes, which gloo runs at full speed both ways (a phase that is only
+        that swap, without overlap, adds the pair's values after it); needs a power-of-two
+        N, and `shard_map` or `pmap`. "auto": the faster of the two on this link where
+        `gradcomm.parallel.calibrate` probed it (`train_step` does, across processes);
+        without a probe, "pairwise" on CPU devices in several processes (gloo), else
+        "permute". Other moves are always `ppermute`s. The result is the same bits
         either way.
 
     Returns:

@@ -32,10 +32,9 @@ def mix(
 
     Returns the (kept, received) shares of x and w, `(kept, received, kept_w, received_w)`,
     or with `summed` only their sums, `(mixed, mixed_w)`. With `pairwise`, a move that
-    swaps every device i with i ^ d goes over the one size-2 axis that pairs them (see
-    `_axes.use_pairwise`): a phase that is that one move and whose sum is all that is
-    wanted is a two-member `psum`, the pair's sum, the same bits on both devices and on
-    gloo the fastest exchange; any other such move is a two-member `_collectives.swap`. The
+    swaps every device i with i ^ d is a two-member `_collectives.swap` (see
+    `_axes.use_pairwise`), and a phase that is that one move and whose sum is all that is
+    wanted is the pair's sum (`_collectives.pair_sum`), the same bits on both devices. The
     rest are `ppermute`s.
     """
 
@@ -50,10 +49,9 @@ def mix(
         kept = [v * share for v in x]
         distance = topologies.swap_distance(moves[0]) if pairwise and len(moves) == 1 else None
         if summed and distance is not None:
-            axis = _collectives.pair_axis(axis_name, distance)
 
             def pair_sum(v: jax.Array) -> jax.Array:
-                return _axes.vary(lax.psum(_axes.vary(v, axis_name), axis), axis_name)
+                return _collectives.pair_sum(v, axis_name, distance)
 
             return [pair_sum(v) for v in kept], pair_sum(w * share)
         received = [jnp.zeros_like(v) for v in x]

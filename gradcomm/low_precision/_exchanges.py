@@ -97,7 +97,7 @@ def bits_mean(
     "all_to_all": an `all_to_all`, float32 sums in device order divided by n, an `all_gather`.
     "ring" and "pairwise": each value divided by n and rounded to `dtype` (as in the
     psum), summed by `_collectives.reduce_scatter_ring` and an `all_gather`, or by
-    `_collectives.reduce_scatter_pairwise` (over size-2 axes) and a gather by recursive
+    `_collectives.reduce_scatter_pairwise` (a power-of-two N) and a gather by recursive
     doubling; each sum of two in float32, rounded to `dtype`. (N - 1) / N of the buffer
     each way in all three. Returns the flat means of the leaves (in `dtype`) and the
     flags (`flags`).

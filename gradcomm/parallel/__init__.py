@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import _axes
+from gradcomm.parallel._calibrate import LinkProbe, calibrate, calibrate_once
 from gradcomm.parallel._layout import (
     fsdp_leaves,
     gather_fsdp,
@@ -73,8 +74,10 @@ from gradcomm.parallel._validate import check_state_layout, check_update_shapes
 from gradcomm.sync import ParamsSync
 
 __all__ = [
+    "LinkProbe",
     "TrainState",
     "TrainStep",
+    "calibrate",
     "device_spec",
     "host_copy",
     "init_state",
@@ -286,7 +289,9 @@ def train_step(
 
     On each device: the loss and gradient of `loss_fn(params, local_batch)`, then
     `tx.update(grads, state, params)` (the transformation's collectives run here), then
-    `optax.apply_updates`. Metrics are averaged over devices.
+    `optax.apply_updates`. Metrics are averaged over devices. Where the mesh spans
+    processes, building the first step on a mesh probes its link (`calibrate`: a
+    collective, a few seconds), so that every `exchange="auto"` takes the faster swap.
 
     Then, with `sync` (a `gradcomm.ParamsSync` such as `gradcomm.local_sgd(axes, every=k)`
     or `gradcomm.periodic_average(axes, every=k)`), the rule runs on the per-device params,
@@ -326,4 +331,5 @@ def train_step(
       (array([0.2, 0.2], dtype=float32), 1.0)
     """
     names = data_axes(mesh, axes)
+    calibrate_once(mesh, names)  # across processes: "auto" learns the faster swap
     return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync)

@@ -27,10 +27,9 @@ def make_mesh(
 
     Args:
       axes: axis name to size, in mesh order; default `{"data": len(devices)}`. A 2-D
-        mesh for hierarchical methods is `{"node": 4, "local": 2}`; a data axis factored
-        into size-2 axes for pairwise exchanges is `pairwise_axes("data", 8)`, or
-        `{**pairwise_axes("node", 4), "local": 2}` beside a local axis. On CPU and GPU
-        the devices' row-major order does not depend on how the axes are factored.
+        mesh for hierarchical methods is `{"node": 4, "local": 2}`. Pairwise exchanges
+        need no special axes (`pairwise_axes` factors one anyway). On CPU and GPU the
+        devices' row-major order does not depend on how the axes are factored.
       devices: the devices, in order; default `jax.devices()` (all processes).
       axis_types: the JAX axis type for every axis.
 
@@ -67,9 +66,9 @@ def pairwise_axes(name: str = "data", n: int | None = None) -> dict[str, int]:
     """Mesh axes of size 2 that together hold `n` data-parallel devices: `name0`, `name1`, ...
 
     Methods whose exchanges are pairwise swaps (Adasum's halving and gathering, SGP's and
-    D-PSGD's i <-> i ^ 2^r moves) run each swap as a two-member collective over one of
-    these axes when given all of them as `axis_name` (`exchange="auto"` does so on CPU
-    across processes, where gloo runs a swapping `ppermute` at half speed). The device
+    D-PSGD's i <-> i ^ 2^r moves) run each swap as a two-member collective whose replica
+    groups are the pairs, over one axis or over these (given all of them as `axis_name`):
+    the same program, so these axes are not needed for speed. The device
     index over the tuple is row-major, `name0` the most significant bit, so device i
     holds the same place as on the one-axis mesh `{name: n}`: the same batch shard, the
     same bits.

@@ -376,8 +376,11 @@ def test_mesh_workers_on_loopback():
     payload = _mesh_workers("tp", ["allreduce", "powersgd", "diloco"], port)
     assert payload["devices"]["device_count"] == 4 and payload["devices"]["process_count"] == 2
     mesh = payload["mesh"]
-    assert mesh["name"] == "tp" and mesh["axes"] == {"data0": 2, "model": 2}
+    assert mesh["name"] == "tp" and mesh["axes"] == {"data": 2, "model": 2}
     assert mesh["param_specs"]["w1"] == "P(None, 'model')" and mesh["batch"] == 64
+    # The first train_step probed the link (`parallel.calibrate`); "auto" followed it.
+    assert payload["probe"]["exchange"] in ("permute", "pairwise")
+    assert payload["probe"]["axes"] == ["data"] and payload["probe"]["permute_s"] > 0
     results = payload["results"]
     assert set(results) == {"allreduce", "powersgd", "diloco"}
     assert results["diloco"]["cycle"] == 20 and len(results["diloco"]["runs"]) == 1
@@ -385,8 +388,11 @@ def test_mesh_workers_on_loopback():
         # The model axis's psums stay inside a process; the data axis's cross the link.
         assert res["bytes_by_axes"]["model"] > 0 and res["link_bytes"] > 0
     assert results["powersgd"]["link_bytes"] < results["allreduce"]["link_bytes"] / 5
-    records = netreport.records_of(results, 2, "unshaped", [], False, {}, mesh=mesh)
+    records = netreport.records_of(
+        results, 2, "unshaped", [], False, {}, mesh=mesh, probe=payload["probe"]
+    )
     assert {r["mesh"] for r in records} == {"tp"}
+    assert {r["exchange"] for r in records} == {payload["probe"]["exchange"]}
 
 
 @needs_root
@@ -405,11 +411,12 @@ def test_tiny_mesh_run_records_the_mesh(tmp_path):
         ("allreduce", "tp"), ("terngrad", "tp"), *fsdp_rows,
     }  # fmt: skip
     for r in records:
-        assert r["mesh_axes"] == {"data0": 2, "model": 2} and r["devices_per_process"] == 2
+        assert r["mesh_axes"] == {"data": 2, "model": 2} and r["devices_per_process"] == 2
+        assert r["probe"]["axes"] == ["data"] and r["exchange"] == r["probe"]["exchange"]
         assert r["bytes_per_step"] > r["link_bytes_per_step"] > 0
         assert (r["provenance"]["device_count"], r["provenance"]["process_count"]) == (4, 2)
     fsdp = next(r for r in records if r["mesh"] == "fsdp")
-    assert fsdp["param_specs"]["w0"] == "P('data0', 'model')"
+    assert fsdp["param_specs"]["w0"] == "P('data', 'model')"
     assert fsdp["baseline"] == "allreduce (psum_scatter)"
     text = (tmp_path / "network.md").read_text()
     assert "mesh tp" in text and "allreduce (psum_scatter)" in text

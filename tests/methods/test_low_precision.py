@@ -422,7 +422,7 @@ def test_pairwise_sums_by_halving_in_reduce_scatters(n):
         assert not np.asarray(state.overflow).any()
         kinds = wire.measure(step, placed).by_kind()
         assert set(kinds) == {"reduce-scatter"}, kinds
-    with pytest.raises(ValueError, match="size 2 only"):
+    with pytest.raises(ValueError, match="power-of-two number of devices"):
         jax.vmap(
             lambda g: low_precision("data", exchange="pairwise").update(g, None),
             axis_name="data",

@@ -1,7 +1,7 @@
 """Two JAX processes on 127.0.0.1 (gloo), 4 devices each, agree with one 8-device process,
 bit for bit: Adasum on one axis, and Adasum and SGP over size-2 axes, where the two
-processes exchange pairwise (gloo reduce-scatters and pair psums) and one process uses
-`ppermute`."""
+processes exchange pairwise (gloo reduce-scatters) and one process uses `ppermute`; then
+`parallel.calibrate` chooses alike in both, and "auto" follows it."""
 
 import pathlib
 import socket
@@ -58,3 +58,6 @@ def test_two_processes_match_one(tmp_path):
     single = np.concatenate([adasum_of_case(), pairwise])
     for out in outs:
         np.testing.assert_array_equal(np.load(out), single)
+    # Both processes took the slowest one's times, so chose alike, and "auto" followed.
+    probes = {pathlib.Path(f"{out}.probe").read_text() for out in outs}
+    assert probes in ({"pairwise True"}, {"permute False"}), probes

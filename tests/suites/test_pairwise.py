@@ -1,7 +1,8 @@
-"""Pairwise exchanges over size-2 mesh axes: the same bits and bytes as the ppermutes.
+"""Pairwise exchanges, two-member replica groups: the same bits and bytes as the ppermutes.
 
 The reference everywhere is the ppermute formulation on a one-axis mesh ("data", n) with
-`exchange="permute"`; the pairwise runs use `parallel.pairwise_axes("data", n)`.
+`exchange="permute"`; the pairwise runs use the same one-axis mesh ("axis") or the axis
+factored into size-2 axes, `parallel.pairwise_axes("data", n)` (True, "factored").
 """
 
 import functools
@@ -33,7 +34,8 @@ def factored(n):
 
 
 def mesh_and_names(n, pairwise):
-    return factored(n) if pairwise else (mesh_of(n), "data")
+    """pairwise: False or "axis" (the one-axis mesh), True or "factored" (size-2 axes)."""
+    return factored(n) if pairwise in (True, "factored") else (mesh_of(n), "data")
 
 
 def _mapped(fn, n, pairwise, out_replicated):
@@ -102,13 +104,14 @@ def exchange_fn(distance):
 EXCHANGE_FNS = {d: exchange_fn(d) for d in (1, 2, 4)}
 
 
+@pytest.mark.parametrize("layout", ["factored", "axis"])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
-def test_exchange_returns_the_partners_bits_in_one_two_member_reduce_scatter(n, dtype):
+def test_exchange_returns_the_partners_bits_in_one_two_member_reduce_scatter(n, dtype, layout):
     x = special_values(n, dtype)
     for level in range(n.bit_length() - 1):
         d = 1 << level
-        out, text = run(EXCHANGE_FNS[d], n, True, x)
+        out, text = run(EXCHANGE_FNS[d], n, layout, x)
         np.testing.assert_array_equal(bits(out), bits(x[[i ^ d for i in range(n)]]))
         [c] = wire.analyze_hlo(text).collectives
         # Sends the message's bytes once, like the ppermute: (2 - 1) / 2 of two slots.
@@ -116,16 +119,9 @@ def test_exchange_returns_the_partners_bits_in_one_two_member_reduce_scatter(n, 
         assert f"u{x.dtype.itemsize * 8}[" in text.split("reduce-scatter(")[0].rsplit("=", 1)[-1]
 
 
-def test_pair_axis_and_mode_selection(monkeypatch):
+@pytest.mark.parametrize("layout", ["factored", "axis"])
+def test_mode_selection(monkeypatch, layout):
     def probe(x, names):
-        assert (
-            _collectives.pair_axis(names, 1) == "data2"
-            and _collectives.pair_axis(names, 4) == "data0"
-        )
-        with pytest.raises(ValueError, match="pairs devices 8 apart"):
-            _collectives.pair_axis(names, 8)
-        with pytest.raises(ValueError, match="pairs devices 3 apart"):
-            _collectives.pair_axis(names, 3)
         assert _axes.use_pairwise(names, "pairwise", "t")
         assert not _axes.use_pairwise(names, "permute", "t")
         # "auto": only where gloo carries the collectives, CPU devices in several processes.
@@ -135,17 +131,30 @@ def test_pair_axis_and_mode_selection(monkeypatch):
             assert _axes.use_pairwise(names, "auto", "t")
             m.setattr(_axes, "_platform", lambda: "gpu")
             assert not _axes.use_pairwise(names, "auto", "t")
+        # A probe of this link (`parallel.calibrate`) decides "auto", whatever the platform.
+        with monkeypatch.context() as m:
+            m.setattr(_axes, "_PROBES", {})
+            _axes.record_probe(_axes.link_key(), "pairwise")
+            assert _axes.use_pairwise(names, "auto", "t")
+            m.setattr(jax, "process_count", lambda: 2)  # another link: no probe of it
+            assert _axes.use_pairwise(names, "auto", "t")  # gloo's default
+            _axes.record_probe(_axes.link_key(), "permute")
+            assert not _axes.use_pairwise(names, "auto", "t")
         return x
 
-    run(probe, 8, True, np.zeros((8, 1), np.float32))
+    run(probe, 8, layout, np.zeros((8, 1), np.float32))
 
-    def flat(x, names):
+    def odd(x, names):
         assert not _axes.use_pairwise(names, "auto", "t")
-        with pytest.raises(ValueError, match=r"size 2 only.*pairwise_axes"):
+        with pytest.raises(ValueError, match=r"power-of-two number of devices.*'permute'"):
             _axes.use_pairwise(names, "pairwise", "t")
         return x
 
-    run(flat, 4, False, np.zeros((4, 1), np.float32))
+    run(odd, 6, False, np.zeros((6, 1), np.float32))
+    assert _collectives.pair_groups(8, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for bad in (3, 8):
+        with pytest.raises(ValueError, match=f"no pairs of 8 devices {bad} apart"):
+            _collectives.pair_groups(8, bad)
 
 
 @pytest.mark.parametrize("name", sorted(topology.TOPOLOGIES))
@@ -236,11 +245,12 @@ def test_adasum_pairwise_on_one_device_is_the_identity():
     assert wire.analyze_hlo(text).total == 0
 
 
-@pytest.mark.parametrize("n", [2, 8])  # one pair; three levels of pairs (4 adds nothing new)
-def test_adasum_pairwise_is_bit_identical_with_the_same_bytes_and_no_ppermute(n):
+# One pair; three levels of pairs (4 adds nothing new), on the one axis and factored.
+@pytest.mark.parametrize(("n", "layout"), [(2, "axis"), (8, "axis"), (8, "factored")])
+def test_adasum_pairwise_is_bit_identical_with_the_same_bytes_and_no_ppermute(n, layout):
     tree = hard_tree(n)
     expected, permute_text = run(adasum_fn("permute"), n, False, tree, out_replicated=True)
-    got, text = run(adasum_fn("pairwise"), n, True, tree, out_replicated=True)
+    got, text = run(adasum_fn("pairwise"), n, layout, tree, out_replicated=True)
     assert_same_bits(got, expected)
     assert np.isnan(got["special"]["nan"]).all() and np.isnan(got["special"]["inf"]).all()
     assert "collective-permute" not in text
@@ -257,10 +267,6 @@ def test_adasum_pairwise_is_bit_identical_with_the_same_bytes_and_no_ppermute(n)
     # bf16 ones to f32 (twice the bytes); the exchanges move bf16 bits as u16.
     assert 2 * permute.by_kind()["collective-permute"] > pairwise.by_kind()["reduce-scatter"]
     assert pairwise.total < permute.total
-    if n == 2:  # one axis of size 2 is already pairwise
-        flat, flat_text = run(adasum_fn("pairwise"), n, False, tree, out_replicated=True)
-        assert_same_bits(flat, expected)
-        assert "collective-permute" not in flat_text
 
 
 @functools.cache
@@ -303,9 +309,10 @@ def test_hierarchical_adasum_with_factored_node_axes():
 
     expected, _ = outcome({"node": 4, "local": 2}, "node", "permute")
     axes = {**parallel.pairwise_axes("node", 4), "local": 2}
-    got, text = outcome(axes, ("node0", "node1"), "pairwise")
-    np.testing.assert_array_equal(bits(got), bits(expected))
-    assert "collective-permute" not in text
+    for mesh_axes, names in ((axes, ("node0", "node1")), ({"node": 4, "local": 2}, "node")):
+        got, text = outcome(mesh_axes, names, "pairwise")
+        np.testing.assert_array_equal(bits(got), bits(expected))
+        assert "collective-permute" not in text
 
 
 def test_adasum_pairwise_under_vmap_and_pmap():
@@ -364,9 +371,11 @@ GOSSIP = [
 ]
 
 
-@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize(("n", "layout"), [(2, "factored"), (8, "axis")])
 @pytest.mark.parametrize(("method", "kwargs"), GOSSIP)
-def test_gossip_pairwise_is_bit_identical_over_every_phase_with_the_same_bytes(n, method, kwargs):
+def test_gossip_pairwise_is_bit_identical_over_every_phase_with_the_same_bytes(
+    n, layout, method, kwargs
+):
     rng = np.random.default_rng(n)
     z = {
         "f32": rng.standard_normal((n, 37)).astype(np.float32),
@@ -376,17 +385,13 @@ def test_gossip_pairwise_is_bit_identical_over_every_phase_with_the_same_bytes(n
     expected, permute_text = run(
         gossip_fn(method, steps, exchange="permute", **kwargs), n, False, z
     )
-    got, text = run(gossip_fn(method, steps, exchange="pairwise", **kwargs), n, True, z)
+    got, text = run(gossip_fn(method, steps, exchange="pairwise", **kwargs), n, layout, z)
     assert_same_bits(got, expected)
     # A time-varying graph costs its dearest phase per step, the same either way.
     assert wire.analyze_hlo(text).total == wire.analyze_hlo(permute_text).total
-    # i <-> i ^ n/2 is a move of every graph here. Alone in its phase, and with only the
-    # sum wanted (no overlap), it is a two-member all-reduce; otherwise an exchange.
-    graph = topology.resolve(kwargs["topology"], n)
-    swaps = [(len(moves), topology.swap_distance(m)) for moves in graph.phases for m in moves]
-    summed = {alone == 1 and not kwargs.get("overlap") for alone, d in swaps if d}
-    assert ("all-reduce(" in text) == (True in summed)
-    assert ("reduce-scatter(" in text) == (False in summed)
+    # i <-> i ^ n/2 is a move of every graph here: a two-member reduce-scatter (a swap;
+    # alone in its phase, with only the sum wanted, the pair's sum).
+    assert "reduce-scatter(" in text and "all-reduce(" not in text
     swaps_only = kwargs["topology"] == "hypercube" or n == 2
     assert ("collective-permute" in text) == (not swaps_only)
 
@@ -445,17 +450,17 @@ def train(tx_for, n, pairwise, per_device_params, steps=4):
         ),
     ],
 )
-def test_train_step_on_a_factored_mesh_matches_the_one_axis_mesh(name, tx_for, per_device_params):
+@pytest.mark.parametrize("layout", ["factored", "axis"])
+def test_train_step_pairwise_matches_the_permutes(name, tx_for, per_device_params, layout):
     n = 4
     expected, _ = train(lambda a: tx_for(a, "permute"), n, False, per_device_params)
-    got, text = train(tx_for, n, True, per_device_params)
+    got, text = train(tx_for, n, layout, per_device_params)
     assert_same_bits(got, expected)
-    if name == "adasum":  # the exchanges: reduce-scatters of the bits
-        assert any("reduce-scatter(" in line and "u32[" in line for line in text.splitlines())
-        # replicated params: the result is typed identical on every device
-        assert "collective-permute" not in text
-    else:  # SGP's swap phase i <-> i ^ 2 sums the pair: a two-member all-reduce
-        assert any("all-reduce(" in line and "{{0,2}" in line for line in text.splitlines())
+    # The exchanges: reduce-scatters of the bits, in pairs; SGP's swap phase i <-> i ^ 2
+    # sums the pair with one of them.
+    exchanges = [line for line in text.splitlines() if "reduce-scatter(" in line]
+    assert exchanges and all("u32[" in line and "{{0," in line for line in exchanges)
+    assert "collective-permute" not in text or name == "sgp"
 
 
 def _adasum_on_a_large_and_a_small_leaf(exchange):

@@ -3,8 +3,7 @@
 `bench_network.py --mesh tp` (or `fsdp`) starts one process per host with two CPU devices
 each (`MODEL`), on a mesh `{data axes: N, "model": 2}`: the data axes span the processes,
 so every data-parallel collective crosses the shaped links, while the model axis stays
-inside a process (XLA:CPU's in-process collectives, no network). As in the flat rows, a
-power-of-two N factors the data axis into size-2 axes (`parallel.pairwise_axes`).
+inside a process (XLA:CPU's in-process collectives, no network).
 
 The model is the flat rows' MLP (`network.worker.mlp_widths`, the same initial values),
 tensor-parallel Megatron-style: the first layer split by columns over `'model'` (each
@@ -240,9 +239,8 @@ def worker(config: dict[str, Any]) -> None:
     from gradcomm import parallel
 
     nodes, kind = config["nodes"], config["mesh"]
-    host_axes = networker.pairwise_mesh_axes("data", nodes)
-    data_axes = tuple(host_axes)
-    mesh = parallel.make_mesh({**host_axes, "model": MODEL}, devices=devices)
+    data_axes = ("data",)
+    mesh = parallel.make_mesh({"data": nodes, "model": MODEL}, devices=devices)
     specs = param_specs(data_axes, fsdp=kind == "fsdp")
     host_params, loss_fn, data = task(widths(config["params"]), BATCH_PER_HOST * nodes)
     num_params = sum(int(np.prod(v.shape)) for v in host_params.values())
@@ -279,5 +277,6 @@ def worker(config: dict[str, Any]) -> None:
             "batch": int(data["x"].shape[0]),
         }
         info = provenance.devices_info(devices)
-        result = {"results": out, "devices": info, "mesh": described}
+        probe = parallel.calibrate(mesh, data_axes)._asdict() if nodes & (nodes - 1) == 0 else None
+        result = {"results": out, "devices": info, "mesh": described, "probe": probe}
         print("RESULT " + json.dumps(result), flush=True)

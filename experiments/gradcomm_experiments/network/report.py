@@ -55,6 +55,7 @@ def records_of(
     results: dict[str, Any], nodes: int, rate: str, links: list[float], local: bool,
     bytes_known: dict[tuple[str, int, str], dict[str, Any]], allocator: str = "retain",
     threads: int | None = None, mesh: dict[str, Any] | None = None,
+    probe: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """network.json records for one cell, with ratios to this cell's allreduce, run by run.
 
@@ -63,7 +64,9 @@ def records_of(
     workers' compute threads (`--threads`; None: not pinned). `mesh` is a 2-D mesh's
     description (`network.mesh.worker`: name, axes, data axes, param specs, batch); None for
     the flat rows. `bytes_known` keeps each (mesh, nodes, label)'s bytes from the cell that
-    measured them.
+    measured them. `probe` is the cell's `parallel.calibrate` (a `LinkProbe` as a dict;
+    None where no pairs form): each record's `exchange` is its method's own, else the
+    probe's, which "auto" followed.
     """
     base = results["allreduce"]["runs"]
     name = mesh["name"] if mesh else "flat"
@@ -98,7 +101,9 @@ def records_of(
                 "cycle": res["cycle"],
                 "timing": "cycle-mean" if res["cycle"] > 1 else "median",
                 "backend": "gloo",
-                "exchange": "pairwise" if nodes & (nodes - 1) == 0 else "permute",
+                "exchange": spec_of(label).options.get("exchange")
+                or (probe["exchange"] if probe else "permute"),
+                "probe": probe,
                 "netem": False,
                 "allocator": allocator,
                 "framework": "jax",

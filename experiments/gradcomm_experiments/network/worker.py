@@ -135,13 +135,6 @@ def compute_threads(threads: int | None) -> Iterator[None]:
                 os.sched_setaffinity(int(task), allowed)
 
 
-def pairwise_mesh_axes(name: str, nodes: int) -> dict[str, int]:
-    """Size-2 axes for a power-of-two host count (`parallel.pairwise_axes`), else one axis."""
-    from gradcomm import parallel
-
-    return parallel.pairwise_axes(name, nodes) if nodes & (nodes - 1) == 0 else {name: nodes}
-
-
 def _join(config: dict[str, Any], devices: int) -> list[Any]:
     """Joins the run as this host's process with `devices` CPU devices; all processes'.
 
@@ -195,11 +188,10 @@ def worker(config: dict[str, Any]) -> None:
     from gradcomm_experiments.loop import bytes_per_step
 
     nodes = config["nodes"]
-    # The hosts' axis factored into size-2 axes, so that pairwise swaps (Adasum, SGP,
-    # D-PSGD) run as full-duplex two-member collectives (`parallel.pairwise_axes`).
-    host_axes = pairwise_mesh_axes("node" if local else "data", nodes)
-    mesh = parallel.make_mesh({**host_axes, **({"local": 2} if local else {})}, devices=devices)
-    axis: Any = tuple(host_axes)
+    # The default mesh, one axis across the hosts: what a user builds. The first
+    # train_step on it probes the link (`parallel.calibrate`), and "auto" follows.
+    axis = "node" if local else "data"
+    mesh = parallel.make_mesh({axis: nodes, **({"local": 2} if local else {})}, devices=devices)
     widths = mlp_widths(config["params"])
     host_params, loss_fn, data = mlp_task(widths, 32 * len(devices))
     num_params = sum(int(np.prod(v.shape)) for v in host_params.values())
@@ -232,7 +224,9 @@ def worker(config: dict[str, Any]) -> None:
             for label, run in runs.items()
         }
         info = provenance.devices_info(devices)
-        print("RESULT " + json.dumps({"results": out, "devices": info}), flush=True)
+        probe = parallel.calibrate(mesh, axis)._asdict() if nodes & (nodes - 1) == 0 else None
+        result = {"results": out, "devices": info, "probe": probe}
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def warm_up(
