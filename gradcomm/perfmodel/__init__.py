@@ -12,9 +12,13 @@ or, for 1-overlap SGP, the step. `predict` gives one step's time, `crossover_ban
 hands it: the model names gradcomm's factories, not a study's methods), `calibrate` and
 `fit_report` fit the model to `experiments/network/bench_network.py`'s records, and `paper_checks`
 sets the figures of the Adasum, LAGS-SGD, TernGrad, SGP and gradient dropping papers
-beside the model's. Units: bandwidth in Gbit/s, latency and times in seconds, model size
-in parameters. `python -m gradcomm.perfmodel network.json` prints the fit, the crossovers
-and the papers; docs/bench/model.md explains the model.
+beside the model's. `gpu_cost_per_byte` reads a method's extra compute on a GPU from the
+measured kernel record packaged here (kernels_gpu/bench_kernels.json, an NVIDIA H200), and
+`recommend` ranks the registered methods for a model, hosts and link, on a GPU or on the
+calibrated CPU cluster. Units: bandwidth in Gbit/s, latency and times in seconds, model
+size in parameters. `python -m gradcomm.perfmodel network.json` prints the fit, the
+crossovers and the papers, `python -m gradcomm.perfmodel recommend --params 124M --nodes 32
+--link 10gbit` the ranking; docs/bench/model.md explains the model.
 
 Example:
   >>> from gradcomm import perfmodel
@@ -33,10 +37,12 @@ from gradcomm.perfmodel._fit import (
     Calibration,
     FitRow,
     calibrate,
+    fit_file,
     fit_markdown,
     fit_report,
     key,
 )
+from gradcomm.perfmodel._kernels import gpu_cost_per_byte
 from gradcomm.perfmodel._model import (
     BACKWARD,
     GLOO,
@@ -49,6 +55,7 @@ from gradcomm.perfmodel._model import (
 )
 from gradcomm.perfmodel._papers import PaperCheck, paper_checks, paper_table
 from gradcomm.perfmodel._pattern import Collective, Setting, Window, averaging, pattern, window
+from gradcomm.perfmodel._recommend import Choice, parse_link, parse_params, recommend
 
 __all__ = [
     "BACKWARD",
@@ -59,6 +66,7 @@ __all__ = [
     "OVERLAP_NOTE",
     "Backend",
     "Calibration",
+    "Choice",
     "Collective",
     "FitRow",
     "PaperCheck",
@@ -69,13 +77,18 @@ __all__ = [
     "calibrate",
     "crossover_bandwidth",
     "crossover_table",
+    "fit_file",
     "fit_markdown",
     "fit_report",
+    "gpu_cost_per_byte",
     "key",
     "main",
     "paper_checks",
     "paper_table",
+    "parse_link",
+    "parse_params",
     "pattern",
     "predict",
+    "recommend",
     "window",
 ]

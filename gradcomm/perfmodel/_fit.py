@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from gradcomm.perfmodel._model import GLOO, Backend, Prediction, predict
+from gradcomm.perfmodel._model import GLOO, GLOO_PAIRWISE, Backend, Prediction, predict
 
 Group = tuple[int, int]  # (nodes, devices per process)
 Record = Mapping[str, Any]  # one network.json record
@@ -112,20 +113,23 @@ class Calibration:
             "itemsize": self.itemsize,
         }
 
+    def backend_at(self, rate_mbit: float | None) -> Backend:
+        """The backend with allreduce's factors fitted at a shaped rate (`rate_factors`),
+        where the records have that rate; else `backend`."""
+        at_rate = {
+            ("allreduce", n): f for (n, rate), f in self.rate_factors.items() if rate == rate_mbit
+        }
+        if not at_rate:
+            return self.backend
+        return dataclasses.replace(self.backend, factors={**self.backend.factors, **at_rate})
+
     def predict_record(self, r: Record, method: str | None = None) -> Prediction:
         """The model's step for a network.json record, or its allreduce's (`"allreduce"`)."""
         m, own = (method, {}) if method else (r["method"], _options_and_sync(r))
         gbps = _gbps(r) or self.unshaped_gbps.get(r["nodes"], math.inf)
         kw = self.settings(m, own.get("options"), *_group(r), sync=own.get("sync"))
         kw["compute_s"] = self.base_s[_group(r)]
-        at_rate = {
-            ("allreduce", n): f for (n, rate), f in self.rate_factors.items()
-            if rate == r.get("rate_mbit")
-        }  # fmt: skip
-        if at_rate:
-            kw["backend"] = dataclasses.replace(
-                self.backend, factors={**self.backend.factors, **at_rate}
-            )
+        kw["backend"] = self.backend_at(r.get("rate_mbit"))
         amortize = r.get("timing") != "median"
         nodes = _ring(r) if m == "allreduce" else r["nodes"]
         return predict(m, r["params"], nodes, gbps, amortize=amortize, **own, **kw)
@@ -258,6 +262,25 @@ def calibrate(records: Sequence[Record], *, backend: Backend = GLOO) -> Calibrat
         _itemsize(first),
         rate_factors if shaped else {},
     )
+
+
+def fit_file(
+    network: str | os.PathLike[str], backend: Literal["auto", "gloo", "gloo-pairwise"] = "auto"
+) -> tuple[list[Record], Calibration, str]:
+    """`calibrate` on a network.json file's gradcomm records (PyTorch DDP's peer rows
+    model nothing and are left out).
+
+    Returns:
+      The records, the calibration, and the backend's name: "auto" reads the records'
+      `exchange` ("gloo-pairwise" where the benchmark's swaps ran pairwise, else "gloo").
+    """
+    with open(network) as f:
+        records = [r for r in json.load(f) if r.get("framework", "jax") == "jax"]
+    if backend == "auto":
+        pairwise = any(r.get("exchange") == "pairwise" for r in records)
+        backend = "gloo-pairwise" if pairwise else "gloo"
+    cal = calibrate(records, backend=GLOO if backend == "gloo" else GLOO_PAIRWISE)
+    return records, cal, backend
 
 
 class FitRow(NamedTuple):

@@ -94,14 +94,15 @@ def test_docs_python_examples_run(path):
 
 
 def test_every_committed_result_says_what_made_it():
-    """Each JSON under docs/ carries a provenance record with every key (per record, for
-    a list of records); results made before records existed say so in `backfilled`."""
+    """Each JSON under docs/, and the packaged GPU kernel record under gradcomm/, carries a
+    provenance record with every key (per record, for a list of records); results made
+    before records existed say so in `backfilled`."""
     import json
 
     from gradcomm_experiments import provenance
 
-    files = sorted((ROOT / "docs").rglob("*.json"))
-    assert files
+    files = sorted((ROOT / "docs").rglob("*.json")) + sorted((ROOT / "gradcomm").rglob("*.json"))
+    assert files and ROOT / "gradcomm/perfmodel/kernels_gpu/bench_kernels.json" in files
     for path in files:
         data = json.loads(path.read_text())
         records = data if isinstance(data, list) else [data]
