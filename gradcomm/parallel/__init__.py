@@ -51,6 +51,7 @@ from gradcomm.parallel._layout import (
     state_specs,
     unstack,
 )
+from gradcomm.parallel._overlap import check_layerwise, layerwise, overlapped_update
 from gradcomm.parallel._placement import (
     check_copies,
     data_axes,
@@ -102,7 +103,8 @@ class TrainStep:
     made it: other counts raise a `ValueError` that says what to do, as does a state laid
     out for the other value of `params_per_device` where its shapes tell.
     `step.lower(params, state, batch)` lowers it, which is what
-    `gradcomm.wire.measure(step, params, state, batch)` uses.
+    `gradcomm.wire.measure(step, params, state, batch)` uses. Built with `overlap=True`,
+    it takes the per-layer state of `init_state(..., overlap=True)`.
     """
 
     def __init__(
@@ -115,10 +117,13 @@ class TrainStep:
         has_aux: bool,
         donate: bool,
         sync: ParamsSync | None = None,
+        overlap: bool = False,
     ) -> None:
         check_sync(sync, params_per_device)
-        self._sync = sync
+        self._sync, self._overlap, self._inner = sync, overlap, tx
+        tx = layerwise(tx) if overlap else tx
         self._tx, self._mesh, self._names = optax.with_extra_args_support(tx), mesh, names
+        self._loss_fn = loss_fn
         self._params_per_device, self._has_aux, self._donate = params_per_device, has_aux, donate
         self._grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
         self._spec = device_spec(mesh, names)
@@ -138,11 +143,22 @@ class TrainStep:
             # FSDP-split params are gathered whole first, and the transformation returns
             # this device's shard of their combined gradient.
             whole = gather_fsdp(params, fsdp, names)
-            out, grads = self._grad_fn(jax.tree.map(lambda x: _axes.vary(x, names), whole), batch)
-            loss, aux = out if self._has_aux else (out, {})
+            varied = jax.tree.map(lambda x: _axes.vary(x, names), whole)
             state = unstack(state, flags)
             tx_state = state.tx if self._sync else state
-            updates, tx_state = tx.update(grads, tx_state, params)
+            if self._overlap:  # each layer's update runs in the backward pass
+                if any(fsdp):
+                    raise ValueError(
+                        "overlap=True does not support params split over the data axes "
+                        "(FSDP); build the step with overlap=False"
+                    )
+                out, updates, tx_state = overlapped_update(
+                    self._loss_fn, self._inner, params, varied, tx_state, batch, self._has_aux
+                )
+            else:
+                out, grads = self._grad_fn(varied, batch)
+                updates, tx_state = tx.update(grads, tx_state, params)
+            loss, aux = out if self._has_aux else (out, {})
             check_update_shapes(updates, params, fsdp)
             params = optax.apply_updates(params, updates)
             if self._params_per_device:
@@ -182,7 +198,10 @@ class TrainStep:
             state_models = state_model_specs(self._tx, shapes, models)
             if self._sync:
                 state_models += state_model_specs(self._sync, shapes, models)
-            self._shapes[key] = (jax.eval_shape(self._tx.init, shapes), state_models)
+            local = jax.eval_shape(self._tx.init, shapes)
+            if self._overlap:
+                check_layerwise(self._inner, local)
+            self._shapes[key] = (local, state_models)
         return self._shapes[key]
 
     def _other_state_shapes(self, params: Any, state: Any) -> Any:
@@ -284,6 +303,7 @@ def train_step(
     has_aux: bool = False,
     donate: bool = False,
     sync: ParamsSync | None = None,
+    overlap: bool = False,
 ) -> TrainStep:
     """Builds the jitted data-parallel step `(params, state, batch) -> (params, state, metrics)`.
 
@@ -292,6 +312,15 @@ def train_step(
     `optax.apply_updates`. Metrics are averaged over devices. Where the mesh spans
     processes, building the first step on a mesh probes its link (`calibrate`: a
     collective, a few seconds), so that every `exchange="auto"` takes the faster swap.
+
+    With `overlap`, each layer (a top-level entry of the params tree) gets its own
+    `tx.update`, run inside the backward pass as soon as that layer's gradient exists, so
+    its collectives can run while the layers below are differentiated (as PyTorch DDP's
+    buckets do). The result is the same, bit for bit, for a transformation that acts layer
+    by layer (`gradcomm.registry`: the methods whose communication hides in the backward,
+    chained with elementwise optax transformations); for one that is known not to (SLGS's
+    global top-k, `optax.clip_by_global_norm`) the step raises. See
+    `docs/site/guide/overlap.md` for what XLA:CPU makes of it.
 
     Then, with `sync` (a `gradcomm.ParamsSync` such as `gradcomm.local_sgd(axes, every=k)`
     or `gradcomm.periodic_average(axes, every=k)`), the rule runs on the per-device params,
@@ -312,6 +341,8 @@ def train_step(
       sync: a `gradcomm.ParamsSync` applied to the params after each step (needs
         `params_per_device`); the state is then the `TrainState` that
         `init_state(..., sync=sync)` returns.
+      overlap: run each layer's update in the backward pass; the state is then the
+        per-layer state of `init_state(..., overlap=True)`.
 
     Returns:
       A `TrainStep`: `step(params, state, batch)` returns the new params, the new state and
@@ -332,4 +363,4 @@ def train_step(
     """
     names = data_axes(mesh, axes)
     calibrate_once(mesh, names)  # across processes: "auto" learns the faster swap
-    return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync)
+    return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync, overlap)

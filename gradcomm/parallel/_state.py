@@ -21,6 +21,7 @@ from gradcomm.parallel._layout import (
     state_model_specs,
     state_specs,
 )
+from gradcomm.parallel._overlap import check_layerwise, layerwise
 from gradcomm.parallel._placement import (
     check_copies,
     data_axes,
@@ -86,6 +87,7 @@ def init_state(
     axes: _axes.AxisName | None = None,
     params_per_device: bool = False,
     sync: ParamsSync | None = None,
+    overlap: bool = False,
 ) -> Any:
     """Initialises `tx`'s state on every device, per device only where it must be.
 
@@ -100,6 +102,8 @@ def init_state(
       axes: the data-parallel axes (default: all mesh axes).
       params_per_device: whether `params` carry a leading device axis.
       sync: the `ParamsSync` that `train_step` will run (needs `params_per_device`).
+      overlap: the state of a step built with `overlap=True`: a tuple of `tx`'s states,
+        one per layer (top-level entry of `params`).
 
     Returns:
       The state: per-device leaves of shape `(num_shards, *leaf_shape)` sharded over
@@ -117,6 +121,9 @@ def init_state(
       (True, ())
     """
     check_sync(sync, params_per_device)
+    if overlap:
+        check_layerwise(tx, jax.eval_shape(tx.init, local_shapes(params, params_per_device)))
+        tx = layerwise(tx)
     names = data_axes(mesh, axes)
     spec = device_spec(mesh, names)
     if params_per_device:
