@@ -142,7 +142,7 @@ def min_bytes(method: str, size: int, n: int, density: float) -> float:
     counts = {
         "psum": 2 * size,  # read the buffer, write the sum
         "copy": 2 * size,  # read, write
-        "adasum": 2 * size,  # read the gradient, write the combination
+        "adasum": adasum_bytes(size, n),
         # read g, write codes; read the n devices' codes, write the mean
         "terngrad": 2 * size + (1 + n) * codes,
         # read residual and update, write residual and mean; n devices' pairs
@@ -155,6 +155,15 @@ def min_bytes(method: str, size: int, n: int, density: float) -> float:
         "residual": 2 * size + pairs,  # read acc, write the residual and k pairs
     }
     return counts[method]
+
+
+def adasum_bytes(size: int, n: int) -> float:
+    """Adasum's floor per device: at level j, on halves of h = size / 2^(j+1), the exchange
+    (2h), the dot products (read 2h) and the combine (read 2h, write h), 7h; over log2 P
+    levels (P = 2^floor(log2 n)) 7 (1 - 1/P) size, then the gather (2 size), and a fold
+    (one level on the whole buffer, 7 size) where n > P."""
+    p = 1 << (n.bit_length() - 1)
+    return 0.0 if n == 1 else 7 * (1 - 1 / p) * size + 2 * size + (7 * size if n > p else 0)
 
 
 METHODS = (

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import numpy as np
 
 import gradcomm
 from gradcomm import parallel
-from gradcomm_experiments import cli, loop, provenance, report, runtime, tasks
+from gradcomm_experiments import cli, loop, provenance, report, runtime, tasks, timing
 from gradcomm_experiments import data as datasets
 from gradcomm_experiments import methods as registry
 
@@ -18,13 +20,33 @@ def main(
     doc: str | None, argv: Sequence[str] | None, name: str, *, methods: str, seeds: bool = False
 ) -> None:
     """A script's main: its flags (`--method` defaulting to `methods`; `--seeds` with
-    `seeds`, else `--seed`), then `run_methods`."""
+    `seeds`, else `--seed`), `--timing-rounds` and `--timing-steps`, then `run_methods`."""
     stamp = provenance.start(argv)
     parser = cli.make_parser(doc)
     add_training_args(parser, methods=methods, seeds=seeds)
+    parser.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=5,
+        help="after training, time every method's step in this many interleaved rounds "
+        "(alternating order) and report the median round; 0: the training loop's median",
+    )
+    parser.add_argument(
+        "--timing-steps", type=int, default=20, help="steps per method per timing round"
+    )
     parser.set_defaults(out=f"runs/{name}")
-    args = runtime.parse_args(parser, argv, check_training_args)
+    args = runtime.parse_args(parser, argv, check_timed_training_args)
     run_methods(args, name, stamp)
+
+
+def check_timed_training_args(args: argparse.Namespace) -> None:
+    """`check_training_args`, and timing flags that are not negative (steps at least 1)."""
+    check_training_args(args)
+    if args.timing_rounds < 0 or args.timing_steps < 1:
+        raise ValueError(
+            f"--timing-rounds {args.timing_rounds} --timing-steps {args.timing_steps}: "
+            "need rounds >= 0 (0: no interleaved timing) and steps >= 1"
+        )
 
 
 def add_training_args(
@@ -108,6 +130,9 @@ def run_methods(
                     f"seed {seed} {method:>14}: test accuracy "
                     f"{100 * result.test_accuracy:.2f}% in {result.wall_seconds:.1f}s"
                 )
+    timing, timed = "", {}
+    if getattr(args, "timing_rounds", 0) > 0:
+        timing, timed = interleaved_step_times(args, names, task, mesh, seeds[-1], steps, results)
     if main:
         summary = report.summarize(results)
         means = [(s["bytes_per_step"], s["test_accuracy"]["mean"]) for s in summary]
@@ -123,6 +148,7 @@ def run_methods(
                 f"and batch order, the same for every method. One test image is {image:.2f} "
                 "points of accuracy."
             )
+        table += timing
         if any(r.bytes_per_step for r in results):
             table += (
                 "\n\nPareto front of the mean accuracies (no other method sends fewer bytes "
@@ -141,7 +167,7 @@ def run_methods(
             results,
             table,
             lambda fig: report.plot_runs(results, fig),
-            {"seeds": seeds, "summary": summary, "pareto_front": front},
+            {"seeds": seeds, "summary": summary, "pareto_front": front, **timed},
             provenance=stamp.record(devices, seeds=seeds),
             title=f"Every method on the same task: {setting}",
             figures={
@@ -154,3 +180,41 @@ def run_methods(
         )
         print(f"\n{table}\n\nwrote {path}/{name}.json, {name}.png, {name}_bytes.png, {name}.md")
     return results
+
+
+def interleaved_step_times(
+    args: argparse.Namespace,
+    names: Sequence[str],
+    task: tasks.Task,
+    mesh: jax.sharding.Mesh,
+    seed: int,
+    steps: int,
+    results: list[loop.RunResult],
+) -> tuple[str, dict[str, Any]]:
+    """Replaces every run's `step_seconds` by its method's median of interleaved rounds.
+
+    Each method starts afresh (`seed`'s model; `task` holds that seed's data) and runs
+    `--timing-steps` steps per round, in `--timing-rounds` rounds of alternating method
+    order (`timing.interleaved_medians`); its step time is the median over rounds of each
+    round's median step, the same for every seed's run. Returns the sentence the table
+    gets, and the record the study's JSON gets: `step_timing`, each method's rounds and
+    each run's training-loop median.
+    """
+    timers = {}
+    for method in names:
+        inner = registry.optimizer(args.optimizer, args.lr, steps, args.schedule)
+        built = registry.build(configured(method, args), inner)
+        timers[method] = loop.step_timer(
+            built, task, mesh, seed=seed, batch_per_device=args.batch_size,
+            steps=args.timing_steps,
+        )  # fmt: skip
+    rounds = timing.interleaved_medians(timers, args.timing_rounds)
+    loop_seconds = [r.step_seconds for r in results]
+    for r in results:
+        r.step_seconds = float(np.median(rounds[r.method]))
+    record = {"rounds": rounds, "steps": args.timing_steps, "loop_step_seconds": loop_seconds}
+    return (
+        f"\n\nStep time: the median of {args.timing_rounds} interleaved rounds (alternating "
+        f"method order) of {args.timing_steps} steps each, every method started afresh on "
+        f"seed {seed} after training; a round's time is its median step."
+    ), {"step_timing": record}

@@ -26,7 +26,9 @@ class RunResult:
 
     `probes` holds, per name, the values a probe returned every `probe_every` steps, with
     their step numbers in `probe_steps`; `eval_accuracy` the test accuracy after each of
-    `eval_steps` steps (every `eval_every` steps, when asked for).
+    `eval_steps` steps (every `eval_every` steps, when asked for). `step_seconds` is the
+    median step of the training loop, unless a study replaced it by interleaved timing
+    (`compare.py`'s `--timing-rounds`).
     """
 
     method: str
@@ -167,6 +169,40 @@ def train(
         eval_steps=eval_steps,
         eval_accuracy=eval_accuracy,
     )
+
+
+def step_timer(
+    method: Method,
+    task: tasks.Task,
+    mesh: jax.sharding.Mesh,
+    *,
+    seed: int,
+    batch_per_device: int,
+    steps: int,
+) -> Callable[[], float]:
+    """A function that runs `steps` training steps and returns their median seconds.
+
+    The method starts afresh from `task.init` with `seed` (its step compiled and run once
+    here, untimed); each call goes on from where the last one stopped, over the batches
+    of epoch 0 in turn, and blocks on every step as `train` does, whose step times it
+    measures the same way. Interleave several methods' timers with
+    `timing.interleaved_medians`.
+    """
+    global_batch = parallel.num_shards(mesh) * batch_per_device
+    params, state, step = method.start(task.loss_fn, mesh, task.init(jax.random.key(seed)))
+    batches = task.batches(global_batch, seed, 0)
+    held = {"params": params, "state": state, "count": 0}
+
+    def one() -> float:
+        batch = batches[held["count"] % len(batches)]
+        held["count"] += 1
+        start = time.perf_counter()
+        held["params"], held["state"], metrics = step(held["params"], held["state"], batch)
+        float(metrics["loss"])  # blocks
+        return time.perf_counter() - start
+
+    one()  # compiles
+    return lambda: float(np.median([one() for _ in range(steps)]))
 
 
 def _model_params(params: Any, per_device: bool, mesh: Any) -> Any:
