@@ -15,7 +15,11 @@ from jax.sharding import PartitionSpec as P
 from gradcomm import _axes, _collectives
 from gradcomm.parallel._placement import data_axes
 
-PROBE_BYTES = 1 << 20  # per device and swap: past the latency, a few seconds at 100 Mbit
+# Per device and swap. gloo's swap penalty needs a message larger than the sockets'
+# buffers (4 MiB by Linux's defaults): at 1 MiB a swapping ppermute ran at full speed over
+# 100 Mbit and the probe chose it, at 8 MiB and up it runs at half speed (Adasum's 8 MiB
+# halves at N = 2, docs/bench/network.md). Three rounds at 100 Mbit take about 6 s.
+PROBE_BYTES = 8 << 20
 
 
 class LinkProbe(NamedTuple):
@@ -23,9 +27,10 @@ class LinkProbe(NamedTuple):
 
     Attributes:
       exchange: "pairwise" or "permute", whichever swapped faster.
-      permute_s: seconds for one swap per level (log2 N of them) as `ppermute`s, the
-        slowest process's median.
-      pairwise_s: the same swaps as two-member reduce-scatters (`gradcomm._collectives.swap`).
+      permute_s: seconds for one swap of devices N/2 apart (on a mesh whose data axes
+        cross hosts last, a pair across the link) as a `ppermute`, the slowest process's
+        median.
+      pairwise_s: the same swap as a two-member reduce-scatter (`gradcomm._collectives.swap`).
       nbytes: the bytes each device sent per swap.
       axes: the data axes probed.
     """
@@ -53,9 +58,10 @@ def calibrate(
     can run as `ppermute`s or as two-member reduce-scatters. Which is faster depends on
     the link: across processes over gloo, a swapping `ppermute` runs at half the link's
     speed, so on a slow link the reduce-scatter wins by up to 2x; on a fast one (the
-    loopback, a fast LAN) its extra pass over memory can lose. This runs one swap per
-    level, log2 N of `nbytes` each, both ways, interleaved, `repeats` times after a
-    warm-up; every process takes the slowest process's medians, so all choose alike. The
+    loopback, a fast LAN) its extra pass over memory can lose. This swaps `nbytes`
+    between devices i and i ^ N/2 both ways, interleaved, `repeats` times after a warm-up
+    on a few bytes (which opens the connections); every process takes the slowest
+    process's medians, so all choose alike. The
     choice is recorded for this platform and process count (`gradcomm._axes.record_probe`),
     and every `exchange="auto"` follows it. `train_step` calls this once per mesh when
     the mesh spans processes; call it yourself before a hand-written `shard_map`. A
@@ -91,38 +97,41 @@ def calibrate(
     if cached is not None:
         return cached
     spec = P(names)
-    local = nbytes // 4
-    x = jax.make_array_from_callback(
-        (n * local,), NamedSharding(mesh, spec), lambda i: np.ones(n * local, np.float32)[i]
-    )
     keys: list[tuple[str, int]] = []
+    d = n // 2
 
-    def program(kind: str) -> Any:
+    def program(kind: str, x: jax.Array) -> Any:
         def body(v: jax.Array) -> jax.Array:
             keys.append(_axes.link_key())
-            for level in range(n.bit_length() - 1):
-                d = 1 << level
-                if kind == "pairwise":
-                    v = _collectives.swap(v, names, d)
-                else:
-                    v = _collectives.ppermute(v, names, [(i, i ^ d) for i in range(n)])
-            return v
+            if kind == "pairwise":
+                return _collectives.swap(v, names, d)
+            return _collectives.ppermute(v, names, [(i, i ^ d) for i in range(n)])
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
         return jax.jit(fn).lower(x).compile()
 
-    programs = {kind: program(kind) for kind in ("permute", "pairwise")}
-    times: dict[str, list[float]] = {kind: [] for kind in programs}
-    for _ in range(repeats + 1):  # the first round warms up
+    def ones(words: int) -> jax.Array:
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(
+            (n * words,), sharding, lambda i: np.ones(n * words, np.float32)[i]
+        )
+
+    kinds = ("permute", "pairwise")
+    warm, x = ones(16), ones(nbytes // 4)
+    for kind in kinds:  # opens the connections, on a few bytes
+        jax.block_until_ready(program(kind, warm)(warm))
+    programs = {kind: program(kind, x) for kind in kinds}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(repeats):
         for kind, fn in programs.items():
             start = time.perf_counter()
             jax.block_until_ready(fn(x))
             times[kind].append(time.perf_counter() - start)
-    local_medians = np.array([np.median(t[1:]) for t in times.values()], np.float64)
+    local_medians = np.array([np.median(times[kind]) for kind in kinds], np.float64)
     medians = np.asarray(multihost_utils.process_allgather(local_medians)).reshape(-1, 2).max(0)
     exchange: Literal["permute", "pairwise"] = "pairwise" if medians[1] < medians[0] else "permute"
     _axes.record_probe(keys[0], exchange)
-    probe = LinkProbe(exchange, float(medians[0]), float(medians[1]), local * 4, names)
+    probe = LinkProbe(exchange, float(medians[0]), float(medians[1]), nbytes // 4 * 4, names)
     _CACHE[(mesh, names, nbytes)] = probe
     return probe
 
