@@ -61,11 +61,11 @@ def calibrate(
     loopback, a fast LAN) its extra pass over memory can lose. This swaps `nbytes`
     between devices i and i ^ N/2 both ways, interleaved, `repeats` times after a warm-up
     on a few bytes (which opens the connections); every process takes the slowest
-    process's medians, so all choose alike. The
-    choice is recorded for this platform and process count (`gradcomm._axes.record_probe`),
-    and every `exchange="auto"` follows it. `train_step` calls this once per mesh when
-    the mesh spans processes; call it yourself before a hand-written `shard_map`. A
-    collective: every process must call it. Cached per mesh and axes.
+    process's medians, so all choose alike. The choice is recorded for this platform and
+    process count (`gradcomm._axes.record_probe`), and every `exchange="auto"` follows it.
+    `train_step` calls this once per mesh when the mesh spans processes; call it yourself
+    before a hand-written `shard_map`. A collective: every process must call it. Cached
+    per mesh, axes and size.
 
     Args:
       mesh: the mesh.
