@@ -36,7 +36,8 @@ PALETTE = (
 # rest, in its order (regular polygons and stars matplotlib draws from (sides, style, angle)).
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "h", "p", "<", ">", "d", "H", "8",
            (6, 1, 0), (4, 1, 0), (5, 0, 180), (7, 0, 0), (3, 1, 0), (4, 1, 45), (8, 1, 0),
-           (5, 1, 180), (10, 1, 0), (3, 1, 180))  # fmt: skip
+           (5, 1, 180), (10, 1, 0), (3, 1, 180), (7, 1, 0), (9, 0, 0), (9, 1, 0),
+           (8, 0, 22.5))  # fmt: skip
 LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)))
 
 

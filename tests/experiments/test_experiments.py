@@ -134,9 +134,12 @@ def test_help_shows_defaults(script, monkeypatch, capsys):
     shown = capsys.readouterr().out
     assert "--out" in shown and "(default:" in shown and "--quiet" in shown
     assert "examples:\n" in shown and f"python {PATHS[script].relative_to(ROOT)}" in shown
-    # One process per emulated host: the network benchmark simulates no devices; the
-    # sharded bench simulates --data x --model.
-    no_devices = ("bench_network.py", "bench_decode.py", "bench_kernels.py", "bench_sharded.py")
+    # One process per emulated host: the network and overlap benchmarks simulate no
+    # devices; the sharded bench simulates --data x --model.
+    no_devices = (
+        "bench_network.py", "bench_overlap.py", "bench_decode.py", "bench_kernels.py",
+        "bench_sharded.py",
+    )  # fmt: skip
     assert ("--devices" in shown) == (script not in no_devices)
 
 
@@ -376,7 +379,8 @@ def test_every_study_is_listed():
         "bench_collectives.py", "bench_decode.py", "bench_kernels.py", "bench_network.py",
         "bench_scaling.py", "bench_sharded.py",
     }  # fmt: skip
-    own = {"powersgd_rank.py"}  # its smoke test and more: tests/experiments/test_powersgd_rank.py
+    # Their smoke tests and more: tests/experiments/test_powersgd_rank.py, test_bench_overlap.py.
+    own = {"powersgd_rank.py", "bench_overlap.py"}
     others = {"train.py", "compare.py", *benches, *own}
     assert set(STUDIES) | others == set(SCRIPTS)
 
