@@ -258,6 +258,8 @@ def worker(config: dict[str, Any]) -> None:
         runs[label]["sent"] = sent
 
     networker.time_runs(runs, labels, batch, config, log)
+    # The probe train_step took over the data axes (a collective: every process asks).
+    probe = parallel.calibrate(mesh, data_axes)._asdict() if nodes & (nodes - 1) == 0 else None
     if jax.process_index() == 0:
         keys = ("bytes", "link_bytes", "bytes_by_axes")
         out = {
@@ -277,6 +279,5 @@ def worker(config: dict[str, Any]) -> None:
             "batch": int(data["x"].shape[0]),
         }
         info = provenance.devices_info(devices)
-        probe = parallel.calibrate(mesh, data_axes)._asdict() if nodes & (nodes - 1) == 0 else None
         result = {"results": out, "devices": info, "mesh": described, "probe": probe}
         print("RESULT " + json.dumps(result), flush=True)
