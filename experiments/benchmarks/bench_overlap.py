@@ -32,10 +32,8 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,16 +44,13 @@ LOOPBACK = "loopback"
 
 
 def _median_time(fn: Any, args: Sequence[Any], repeats: int) -> float:
+    """`timing.median_seconds` after one more warm-up call (the first compiles)."""
     import jax
 
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from gradcomm_experiments import timing
+
+    jax.block_until_ready(fn(*args))  # compile
+    return timing.median_seconds(fn, tuple(args), repeats)
 
 
 def primitives(config: dict[str, Any], mesh: Any) -> dict[str, float]:
