@@ -138,7 +138,8 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
     "permute" never does; "pairwise" does under `shard_map` or `pmap`, and needs a
     power-of-two number of devices over `axis_name` (the pairs are replica groups of one
     collective, `gradcomm._collectives.swap`). Under a named `vmap` there is no link, and
-    the permutes give the same bits. "auto" follows the link's probe where one was taken
+    the permutes give the same bits. "auto" keeps `ppermute` within one process (no
+    link); across processes it follows the link's probe where one was taken
     (`gradcomm.parallel.calibrate`, `record_probe`): the faster of the two there. Without
     one it pairs on CPU devices in more than one process, where the collectives go over
     the network through gloo, which runs a `ppermute` in which two devices send to each
@@ -156,6 +157,8 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
         return False
     if exchange == "pairwise":
         return True
+    if jax.process_count() == 1:  # no link between the devices: nothing to probe
+        return False
     probed = _PROBES.get(link_key())
     return probed == "pairwise" if probed is not None else on_gloo(axis_name)
 

@@ -131,15 +131,19 @@ def test_mode_selection(monkeypatch, layout):
             assert _axes.use_pairwise(names, "auto", "t")
             m.setattr(_axes, "_platform", lambda: "gpu")
             assert not _axes.use_pairwise(names, "auto", "t")
-        # A probe of this link (`parallel.calibrate`) decides "auto", whatever the platform.
+        # Across processes a probe of the link (`parallel.calibrate`) decides "auto",
+        # whatever the platform; within one process there is no link to probe.
         with monkeypatch.context() as m:
             m.setattr(_axes, "_PROBES", {})
             _axes.record_probe(_axes.link_key(), "pairwise")
-            assert _axes.use_pairwise(names, "auto", "t")
+            assert not _axes.use_pairwise(names, "auto", "t")  # one process
             m.setattr(jax, "process_count", lambda: 2)  # another link: no probe of it
             assert _axes.use_pairwise(names, "auto", "t")  # gloo's default
             _axes.record_probe(_axes.link_key(), "permute")
             assert not _axes.use_pairwise(names, "auto", "t")
+            m.setattr(_axes, "_platform", lambda: "gpu")
+            _axes.record_probe(_axes.link_key(), "pairwise")
+            assert _axes.use_pairwise(names, "auto", "t")
         return x
 
     run(probe, 8, layout, np.zeros((8, 1), np.float32))
