@@ -98,6 +98,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gradcomm import perfmodel
 from gradcomm_experiments import cli, methods, provenance
 from gradcomm_experiments.network import cluster as netcluster
 from gradcomm_experiments.network import mesh as netmesh
@@ -170,17 +171,12 @@ def plot_problem() -> str | None:
 
 
 def parameter_count(text: str) -> float:
-    """An argparse type: a parameter count, plain (4000000, 4e6) or with a k or M suffix."""
-    scale = {"k": 1e3, "m": 1e6}.get(text.strip()[-1:].lower(), 1.0)
+    """An argparse type: a parameter count, plain (4000000, 4e6) or with a k or M suffix
+    (`gradcomm.perfmodel.parse_params`)."""
     try:
-        value = float(text.strip()[:-1] if scale != 1.0 else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a count such as 4M, 250k or 2e4: {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+        return float(perfmodel.parse_params(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def torch_problem() -> str | None:

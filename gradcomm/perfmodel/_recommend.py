@@ -124,14 +124,14 @@ class Choice(NamedTuple):
 
 
 def parse_params(text: str | int) -> int:
-    """A parameter count: an int, or text such as "124M", "1.5B", "350k" or "4194304".
+    """A parameter count: an int, or text such as "124M", "1.5B", "350k", "2e4" or "4194304".
 
     Example:
       >>> from gradcomm import perfmodel
       >>> perfmodel.parse_params("124M"), perfmodel.parse_params("1.5B")
       (124000000, 1500000000)
     """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmbg]?)\s*", str(text).lower())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmbg]?)\s*", str(text).lower())
     count = round(float(match[1]) * _SCALE[match[2]]) if match else 0
     if count < 1:
         raise ValueError(f"params {text!r}: a positive count, such as 124M, 1.5B or 4194304")
