@@ -8,6 +8,8 @@ varying/invariant types (the `check_vma` system of `shard_map`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
@@ -138,13 +140,15 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
     "permute" never does; "pairwise" does under `shard_map` or `pmap`, and needs a
     power-of-two number of devices over `axis_name` (the pairs are replica groups of one
     collective, `gradcomm._collectives.swap`). Under a named `vmap` there is no link, and
-    the permutes give the same bits. "auto" keeps `ppermute` within one process (no
-    link); across processes it follows the link's probe where one was taken
-    (`gradcomm.parallel.calibrate`, `record_probe`): the faster of the two there. Without
-    one it pairs on CPU devices in more than one process, where the collectives go over
-    the network through gloo, which runs a `ppermute` in which two devices send to each
-    other at half the link's speed and a two-member reduce-scatter at full speed both
-    ways; NCCL and TPU ICI have no such penalty, and within one process there is no link.
+    the permutes give the same bits. "auto" takes the exchange of an enclosing
+    `forced_exchange` (a `gradcomm.parallel.TrainStep` traces its step under the one its
+    probe found faster), else keeps `ppermute` within one process (no link); across
+    processes it follows the link's probe where one was taken
+    (`gradcomm.parallel.calibrate`, `record_probe`). Without one it pairs on CPU devices
+    in more than one process, where the collectives go over the network through gloo,
+    which runs a `ppermute` in which two devices send to each other at half the link's
+    speed and a two-member reduce-scatter at full speed both ways; NCCL and TPU ICI have
+    no such penalty, and within one process there is no link.
     """
     n = axis_size(axis_name)
     power = n > 1 and not n & (n - 1)
@@ -157,6 +161,8 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
         return False
     if exchange == "pairwise":
         return True
+    if _FORCED:
+        return _FORCED[-1] == "pairwise"
     if jax.process_count() == 1:  # no link between the devices: nothing to probe
         return False
     probed = _PROBES.get(link_key())
@@ -164,6 +170,21 @@ def use_pairwise(axis_name: AxisName, exchange: Exchange, who: str) -> bool:
 
 
 _PROBES: dict[tuple[str, int], str] = {}  # link_key -> the exchange the probe found faster
+_FORCED: list[str] = []  # the innermost `forced_exchange` last
+
+
+@contextlib.contextmanager
+def forced_exchange(exchange: Literal["permute", "pairwise"] | None) -> Iterator[None]:
+    """While tracing in this context, `exchange="auto"` swaps by `exchange` (None: as it
+    would outside). Explicit "permute" and "pairwise" are kept."""
+    if exchange is None:
+        yield
+        return
+    _FORCED.append(exchange)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
 
 
 def link_key() -> tuple[str, int]:

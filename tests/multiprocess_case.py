@@ -61,16 +61,16 @@ def pairwise_of_case() -> tuple[np.ndarray, str]:
 
 
 def probe_of_case() -> tuple[str, bool]:
-    """The probe that `parallel.train_step` took of the link (`parallel.calibrate`, cached
-    per mesh), and whether its Adasum step's "auto" then swaps pairwise (two-member
-    reduce-scatters) in the compiled program."""
+    """The exchange that an Adasum `parallel.train_step` chose on its first call (it times
+    its step both ways across processes, `TrainStep.probe`), and whether its compiled
+    program then swaps pairwise (two-member reduce-scatters)."""
     mesh = parallel.make_mesh()
     tx = optax.chain(optax.sgd(0.1), gradcomm.adasum("data"))
     params = parallel.replicate({"w": np.zeros(5, np.float32)}, mesh)
     state = parallel.init_state(tx, params, mesh)
     loss = lambda p, b: jax.numpy.mean((b @ p["w"] - 1.0) ** 2)  # noqa: E731
-    step = parallel.train_step(loss, tx, mesh)  # across processes: probes the link
-    probe = parallel.calibrate(mesh)  # the probe train_step took, from the cache
+    step = parallel.train_step(loss, tx, mesh)
     batch = np.ones((4 * mesh.size, 5), np.float32)
+    step(params, state, batch)  # across processes: the first call probes
     text = step.lower(params, state, batch).compile().as_text()
-    return probe.exchange, "reduce-scatter(" in text
+    return step.probe.exchange, "reduce-scatter(" in text

@@ -2,7 +2,7 @@
 
 Usage: python multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID DEVICES_PER_PROCESS OUT
 Writes this process's copy of the result to OUT (.npy), and to OUT.probe the exchange
-`parallel.calibrate` chose and whether Adasum's "auto" then swapped pairwise.
+an Adasum `train_step` chose (`TrainStep.probe`) and whether it then swapped pairwise.
 """
 
 import os

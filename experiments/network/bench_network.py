@@ -21,11 +21,11 @@ each; `network.worker`) that trains a ~4M-parameter MLP with Adam under
 (`gradcomm_experiments.methods`). `network.report` writes the records and tables.
 
 The mesh is the default one, one axis across the hosts, and the methods their defaults:
-the first `train_step` probes the link (`parallel.calibrate`), and `exchange="auto"` runs
-the pairwise swaps of Adasum, SGP and D-PSGD the faster way there, as `ppermute`s or as
-two-member reduce-scatters (gloo runs a swapping `ppermute` at half speed); the
-`-permute` and `-pairwise` rows force one. Each record keeps the probe. `--patterns`
-times the raw collectives instead of the methods.
+each step's first call times its `exchange="auto"` swaps (Adasum's, SGP's, D-PSGD's)
+both ways, as `ppermute`s and as two-member reduce-scatters (gloo runs a swapping
+`ppermute` at half speed), and keeps the faster (`parallel.TrainStep.probe`); the
+`-permute` and `-pairwise` rows force one. Each record keeps its step's probe.
+`--patterns` times the raw collectives instead of the methods.
 
 Timing: after warm-up, each method runs `--steps` timed steps per run, the methods taking
 turns (interleaved, in a rotated order each run); a cell is the median over runs of each
@@ -415,7 +415,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 cell = netreport.records_of(
                     payload["results"], nodes, rate, links, is_local, bytes_known,
                     args.allocator, args.threads, mesh=payload.get("mesh"),
-                    probe=payload.get("probe"),
                 )  # fmt: skip
                 records += [{**r, "provenance": payload["devices"]} for r in cell]
                 if peers is not None:

@@ -83,11 +83,12 @@ def adasum_reduce(
         doubling) are two-member exchanges (a reduce-scatter of the bits whose replica
         groups are the pairs, each device's in its partner's slot: the same data bit for
         bit, the same bytes); needs a power-of-two number of devices, and `shard_map` or
-        `pmap` (under a named `vmap` it is "permute"). "auto": the faster of the two on
-        this link where `gradcomm.parallel.calibrate` probed it (`train_step` does, across
-        processes); without a probe, "pairwise" on CPU devices in several processes
-        (gloo, which runs a swapping `ppermute` at half speed), "permute" elsewhere (GPU,
-        TPU, one process). The result is the same bits.
+        `pmap` (under a named `vmap` it is "permute"). "auto": in a `train_step`
+        across processes, whichever its first call timed faster for the whole step
+        (`TrainStep.probe`); elsewhere the faster on this link where
+        `gradcomm.parallel.calibrate` probed it, else "pairwise" on CPU devices in several
+        processes (gloo, which runs a swapping `ppermute` at half speed) and "permute"
+        elsewhere (GPU, TPU, one process). The result is the same bits.
 
     Returns:
       A pytree like `tree` holding, per leaf, the Adasum over devices: the balanced tree

@@ -111,11 +111,11 @@ def sgp(
         `ppermute`. "pairwise": a reduce-scatter whose replica groups are the pairs, the
         same bits and bytes, which gloo runs at full speed both ways (a phase that is only
         that swap, without overlap, adds the pair's values after it); needs a power-of-two
-        N, and `shard_map` or `pmap`. "auto": the faster of the two on this link where
-        `gradcomm.parallel.calibrate` probed it (`train_step` does, across processes);
-        without a probe, "pairwise" on CPU devices in several processes (gloo), else
-        "permute". Other moves are always `ppermute`s. The result is the same bits
-        either way.
+        N, and `shard_map` or `pmap`. "auto": in a `train_step` across processes, whichever
+        its first call timed faster for the whole step (`TrainStep.probe`); elsewhere the
+        faster on this link where `gradcomm.parallel.calibrate` probed it, else
+        "pairwise" on CPU devices in several processes (gloo) and "permute" elsewhere.
+        Other moves are always `ppermute`s. The result is the same bits either way.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is an `SgpState`.

@@ -38,7 +38,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradcomm import _axes
-from gradcomm.parallel._calibrate import LinkProbe, calibrate, calibrate_once
+from gradcomm.parallel._calibrate import (
+    LinkProbe,
+    StepProbe,
+    calibrate,
+    probe_step,
+    spans_processes,
+)
 from gradcomm.parallel._layout import (
     fsdp_leaves,
     gather_fsdp,
@@ -76,6 +82,7 @@ from gradcomm.sync import ParamsSync
 
 __all__ = [
     "LinkProbe",
+    "StepProbe",
     "TrainState",
     "TrainStep",
     "calibrate",
@@ -105,6 +112,11 @@ class TrainStep:
     `step.lower(params, state, batch)` lowers it, which is what
     `gradcomm.wire.measure(step, params, state, batch)` uses. Built with `overlap=True`,
     it takes the per-layer state of `init_state(..., overlap=True)`.
+
+    Where the mesh spans processes and the step's swaps could go either way
+    (`exchange="auto"`: `ppermute`s or two-member reduce-scatters), its first call times
+    the step both ways (a few steps each, outputs dropped) and keeps the faster:
+    `step.probe` is then the `StepProbe`, else None.
     """
 
     def __init__(
@@ -132,11 +144,18 @@ class TrainStep:
         self._num_shards = num_shards(mesh, names)
         self._compiled: dict[Any, Any] = {}
         self._shapes: dict[Any, Any] = {}
+        self.probe: StepProbe | None = None
 
-    def _body(self, flags: list[bool], fsdp: list[bool]) -> Callable[..., Any]:
+    def _body(
+        self, flags: list[bool], fsdp: list[bool], exchange: str | None
+    ) -> Callable[..., Any]:
         names, tx = self._names, self._tx
 
         def body(params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
+            with _axes.forced_exchange(exchange):  # "auto" swaps as the probe found faster
+                return update(params, state, batch)
+
+        def update(params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
             params = local_params(params, self._params_per_device)
             # Differentiating replicated (invariant) params would make JAX sum the gradient
             # over the devices; the transformation must see each device's own gradient.
@@ -218,7 +237,7 @@ class TrainStep:
             return None
         return TrainState(shapes, state.sync) if self._sync else shapes
 
-    def _jitted(self, params: Any, state: Any) -> Any:
+    def _jitted(self, params: Any, state: Any, args: tuple[Any, ...]) -> Any:
         if isinstance(state, TrainState) != bool(self._sync):
             raise ValueError(
                 "a step built with sync takes the TrainState of init_state(..., sync=sync)"
@@ -261,13 +280,23 @@ class TrainStep:
                 lambda: self._other_state_shapes(params, state),
             )
             specs = state_specs(state, flags, self._spec, state_models)
-            mapped = jax.shard_map(
-                self._body(flags, fsdp_leaves(models, self._names)),
-                mesh=self._mesh,
-                in_specs=(param_specs, specs, self._spec),
-                out_specs=(param_specs, specs, P()),
+            fsdp = fsdp_leaves(models, self._names)
+
+            def mapped(exchange: str | None) -> Callable[..., Any]:
+                return jax.shard_map(
+                    self._body(flags, fsdp, exchange),
+                    mesh=self._mesh,
+                    in_specs=(param_specs, specs, self._spec),
+                    out_specs=(param_specs, specs, P()),
+                )
+
+            probe = None
+            if spans_processes(self._mesh):  # a link: time the step's swaps both ways
+                probe = probe_step(lambda kind: jax.jit(mapped(kind)).lower(*args), args)
+                self.probe = probe or self.probe
+            self._compiled[key] = jax.jit(
+                mapped(probe and probe.exchange), donate_argnums=(0, 1) if self._donate else ()
             )
-            self._compiled[key] = jax.jit(mapped, donate_argnums=(0, 1) if self._donate else ())
         return self._compiled[key]
 
     def _place(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, Any]:
@@ -287,10 +316,12 @@ class TrainStep:
         )
 
     def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict]:
-        return self._jitted(params, state)(*self._place(params, state, batch))
+        args = self._place(params, state, batch)
+        return self._jitted(params, state, args)(*args)
 
     def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        return self._jitted(params, state).lower(*self._place(params, state, batch))
+        args = self._place(params, state, batch)
+        return self._jitted(params, state, args).lower(*args)
 
 
 def train_step(
@@ -310,8 +341,8 @@ def train_step(
     On each device: the loss and gradient of `loss_fn(params, local_batch)`, then
     `tx.update(grads, state, params)` (the transformation's collectives run here), then
     `optax.apply_updates`. Metrics are averaged over devices. Where the mesh spans
-    processes, building the first step on a mesh probes its link (`calibrate`: a
-    collective, a few seconds), so that every `exchange="auto"` takes the faster swap.
+    processes and the step swaps with `exchange="auto"`, its first call times it both
+    ways (`TrainStep.probe`: a collective, a few steps) and keeps the faster.
 
     With `overlap`, each layer (a top-level entry of the params tree) gets its own
     `tx.update`, run inside the backward pass as soon as that layer's gradient exists, so
@@ -362,5 +393,4 @@ def train_step(
       (array([0.2, 0.2], dtype=float32), 1.0)
     """
     names = data_axes(mesh, axes)
-    calibrate_once(mesh, names)  # across processes: "auto" learns the faster swap
     return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync, overlap)

@@ -1,9 +1,11 @@
-"""`calibrate`: a one-time probe of the link, which `exchange="auto"` then follows."""
+"""Probes of the two ways to swap: `calibrate` times the link once, and `exchange="auto"`
+then follows it; a `TrainStep` times its own step both ways (`probe_step`)."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -42,6 +44,63 @@ class LinkProbe(NamedTuple):
     axes: tuple[str, ...]
 
 
+class StepProbe(NamedTuple):
+    """What a `TrainStep` measured of its own step on its first call across processes
+    (`TrainStep.probe`), and the exchange its "auto" swaps take from then on.
+
+    Attributes:
+      exchange: "pairwise" or "permute", whichever step ran faster.
+      permute_s: seconds per step with `ppermute` swaps, the slowest process's median.
+      pairwise_s: the same with two-member reduce-scatters.
+    """
+
+    exchange: Literal["permute", "pairwise"]
+    permute_s: float
+    pairwise_s: float
+
+
+KINDS: tuple[Literal["permute"], Literal["pairwise"]] = ("permute", "pairwise")
+
+
+def time_both(
+    runs: dict[str, Callable[[], Any]], repeats: int
+) -> tuple[Literal["permute", "pairwise"], float, float]:
+    """Runs the "permute" and "pairwise" programs once each (which opens the connections),
+    then `repeats` interleaved rounds; the faster by the slowest process's medians (every
+    process gets the same, so all choose alike: a collective) and the two medians."""
+    for kind in KINDS:
+        jax.block_until_ready(runs[kind]())
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for _ in range(repeats):
+        for kind in KINDS:
+            start = time.perf_counter()
+            jax.block_until_ready(runs[kind]())
+            times[kind].append(time.perf_counter() - start)
+    local_medians = np.array([np.median(times[kind]) for kind in KINDS], np.float64)
+    medians = np.asarray(multihost_utils.process_allgather(local_medians)).reshape(-1, 2).max(0)
+    exchange: Literal["permute", "pairwise"] = "pairwise" if medians[1] < medians[0] else "permute"
+    return exchange, float(medians[0]), float(medians[1])
+
+
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether the mesh's devices belong to more than one process (a link between them)."""
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def probe_step(
+    lower: Callable[[Literal["permute", "pairwise"]], Any], args: tuple[Any, ...],
+    repeats: int = 3,
+) -> StepProbe | None:  # fmt: skip
+    """Times a step both ways: `lower(kind)` lowers it with its "auto" swaps as `kind`;
+    each compiled program runs on `args` (and its outputs are dropped). None where the
+    two lower alike (no swap that "auto" decides). A collective across processes."""
+    lowered = {kind: lower(kind) for kind in KINDS}
+    if lowered["permute"].as_text() == lowered["pairwise"].as_text():
+        return None
+    compiled = {kind: low.compile() for kind, low in lowered.items()}
+    return StepProbe(*time_both({k: lambda f=f: f(*args) for k, f in compiled.items()}, repeats))
+
+
 _CACHE: dict[tuple[Any, ...], LinkProbe] = {}
 
 
@@ -59,13 +118,14 @@ def calibrate(
     the link: across processes over gloo, a swapping `ppermute` runs at half the link's
     speed, so on a slow link the reduce-scatter wins by up to 2x; on a fast one (the
     loopback, a fast LAN) its extra pass over memory can lose. This swaps `nbytes`
-    between devices i and i ^ N/2 both ways, interleaved, `repeats` times after a warm-up
-    on a few bytes (which opens the connections); every process takes the slowest
+    between devices i and i ^ N/2 both ways, interleaved, `repeats` times after one
+    warm-up swap each (which opens the connections); every process takes the slowest
     process's medians, so all choose alike. The choice is recorded for this platform and
-    process count (`gradcomm._axes.record_probe`), and every `exchange="auto"` follows it.
-    `train_step` calls this once per mesh when the mesh spans processes; call it yourself
-    before a hand-written `shard_map`. A collective: every process must call it. Cached
-    per mesh, axes and size.
+    process count (`gradcomm._axes.record_probe`), and every `exchange="auto"` outside a
+    `train_step` follows it: call this before a hand-written `shard_map` that spans
+    processes. (A `train_step` times its own step both ways instead, `StepProbe`: which
+    swap wins can differ by method on one link.) A collective: every process must call
+    it. Cached per mesh, axes and size.
 
     Args:
       mesh: the mesh.
@@ -116,30 +176,12 @@ def calibrate(
             (n * words,), sharding, lambda i: np.ones(n * words, np.float32)[i]
         )
 
-    kinds = ("permute", "pairwise")
-    warm, x = ones(16), ones(nbytes // 4)
-    for kind in kinds:  # opens the connections, on a few bytes
-        jax.block_until_ready(program(kind, warm)(warm))
-    programs = {kind: program(kind, x) for kind in kinds}
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for _ in range(repeats):
-        for kind, fn in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times[kind].append(time.perf_counter() - start)
-    local_medians = np.array([np.median(times[kind]) for kind in kinds], np.float64)
-    medians = np.asarray(multihost_utils.process_allgather(local_medians)).reshape(-1, 2).max(0)
-    exchange: Literal["permute", "pairwise"] = "pairwise" if medians[1] < medians[0] else "permute"
+    x = ones(nbytes // 4)
+    programs = {kind: program(kind, x) for kind in KINDS}
+    exchange, permute_s, pairwise_s = time_both(
+        {kind: lambda fn=fn: fn(x) for kind, fn in programs.items()}, repeats
+    )
     _axes.record_probe(keys[0], exchange)
-    probe = LinkProbe(exchange, float(medians[0]), float(medians[1]), nbytes // 4 * 4, names)
+    probe = LinkProbe(exchange, permute_s, pairwise_s, nbytes // 4 * 4, names)
     _CACHE[(mesh, names, nbytes)] = probe
     return probe
-
-
-def calibrate_once(mesh: Mesh, names: tuple[str, ...]) -> LinkProbe | None:
-    """`calibrate(mesh, names)` where the mesh spans processes and pairs can form (a
-    power-of-two number of data devices); None elsewhere (one process has no link)."""
-    n = math.prod(mesh.shape[a] for a in names)
-    if jax.process_count() == 1 or n < 2 or n & (n - 1):
-        return None
-    return calibrate(mesh, names)

@@ -1,14 +1,20 @@
-"""`parallel.calibrate`: the probe of the link that `exchange="auto"` follows.
+"""`parallel.calibrate`, the probe of the link that `exchange="auto"` follows, and a
+`TrainStep`'s probe of its own step (`StepProbe`).
 
-Across processes (gloo) it is exercised by tests/suites/test_multiprocess.py, where
-`train_step` takes it and both processes choose alike.
+Across processes (gloo) tests/suites/test_multiprocess.py runs them, where both processes
+choose alike; here one process stands in for several (`spans_processes`).
 """
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from helpers import mesh_of
 
+import gradcomm
 from gradcomm import _axes, parallel
+from gradcomm.parallel import _calibrate
 
 
 def test_probe_times_both_swaps_records_the_faster_and_is_cached(monkeypatch):
@@ -30,13 +36,52 @@ def test_probe_needs_pairs():
         parallel.calibrate(mesh_of(2), nbytes=2)
 
 
-def test_train_step_probes_only_across_processes(monkeypatch):
-    """One process has no link: `train_step` leaves "auto" to its default there."""
-    calls = []
-    monkeypatch.setattr(parallel._calibrate, "calibrate", lambda *a, **k: calls.append(a))
+def _adasum_step(monkeypatch, spans: bool, tx: optax.GradientTransformation | None = None):
+    """An Adasum (or `tx`) step on 4 devices, run once: the step, the new params, and
+    whether its compiled program swaps by reduce-scatters."""
+    monkeypatch.setattr(parallel, "spans_processes", lambda mesh: spans)
     mesh = mesh_of(4)
-    assert parallel._calibrate.calibrate_once(mesh, ("data",)) is None and not calls
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    parallel._calibrate.calibrate_once(mesh, ("data",))
-    assert calls == [(mesh, ("data",))]
-    assert parallel._calibrate.calibrate_once(mesh_of(6), ("data",)) is None  # no pairs
+    tx = tx or optax.chain(optax.sgd(0.1), gradcomm.adasum("data"))
+    w = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+    params = parallel.replicate({"w": w}, mesh)
+    batch = np.arange(8 * 64, dtype=np.float32).reshape(8, 64) / 512.0
+    step = parallel.train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, mesh)
+    state = parallel.init_state(tx, params, mesh)
+    new_params, _, _ = step(params, state, batch)
+    swaps = "reduce-scatter(" in step.lower(params, state, batch).compile().as_text()
+    return step, parallel.host_copy(new_params)["w"], swaps
+
+
+def test_step_probe_times_the_step_both_ways_and_follows_the_faster(monkeypatch):
+    """Across processes the first call times the step with each exchange for "auto" and
+    compiles the faster: the program that exchange names; one process has no link."""
+    explicit = {}
+    for exchange in ("permute", "pairwise"):
+        tx = optax.chain(optax.sgd(0.1), gradcomm.adasum("data", exchange=exchange))
+        explicit[exchange] = _adasum_step(monkeypatch, spans=False, tx=tx)[1]
+    # The exchanges agree; the programs around them may fuse the gradient's sums apart.
+    np.testing.assert_allclose(explicit["pairwise"], explicit["permute"], rtol=1e-6)
+    step, alone, swaps = _adasum_step(monkeypatch, spans=False)
+    assert step.probe is None and not swaps  # one process: "auto" keeps the ppermute
+    np.testing.assert_array_equal(alone, explicit["permute"])
+    step, probed, swaps = _adasum_step(monkeypatch, spans=True)
+    probe = step.probe
+    assert isinstance(probe, parallel.StepProbe)
+    assert probe.permute_s > 0 and probe.pairwise_s > 0
+    faster = "pairwise" if probe.pairwise_s < probe.permute_s else "permute"
+    assert probe.exchange == faster and swaps == (faster == "pairwise")
+    np.testing.assert_array_equal(probed, explicit[faster])
+    for exchange in ("pairwise", "permute"):  # whichever is timed faster is compiled
+        times = (exchange, 2.0, 1.0) if exchange == "pairwise" else (exchange, 1.0, 2.0)
+        monkeypatch.setattr(_calibrate, "time_both", lambda runs, repeats, t=times: t)
+        step, probed, swaps = _adasum_step(monkeypatch, spans=True)
+        assert step.probe == parallel.StepProbe(*times)
+        assert swaps == (exchange == "pairwise")
+        np.testing.assert_array_equal(probed, explicit[exchange])
+
+
+def test_step_without_swaps_is_not_probed(monkeypatch):
+    permute = optax.chain(gradcomm.adasum("data", exchange="permute"), optax.sgd(0.1))
+    for tx in (optax.chain(gradcomm.allreduce(), optax.sgd(0.1)), permute):
+        step, _, _ = _adasum_step(monkeypatch, spans=True, tx=tx)
+        assert step.probe is None  # both ways lower alike: nothing to time

@@ -1,7 +1,7 @@
 """Two JAX processes on 127.0.0.1 (gloo), 4 devices each, agree with one 8-device process,
 bit for bit: Adasum on one axis, and Adasum and SGP over size-2 axes, where the two
 processes exchange pairwise (gloo reduce-scatters) and one process uses `ppermute`; then
-`parallel.calibrate` chooses alike in both, and "auto" follows it."""
+an Adasum `train_step` times its step both ways and chooses alike in both."""
 
 import pathlib
 import socket

@@ -258,8 +258,6 @@ def worker(config: dict[str, Any]) -> None:
         runs[label]["sent"] = sent
 
     networker.time_runs(runs, labels, batch, config, log)
-    # The probe train_step took over the data axes (a collective: every process asks).
-    probe = parallel.calibrate(mesh, data_axes)._asdict() if nodes & (nodes - 1) == 0 else None
     if jax.process_index() == 0:
         keys = ("bytes", "link_bytes", "bytes_by_axes")
         out = {
@@ -267,6 +265,7 @@ def worker(config: dict[str, Any]) -> None:
                 "runs": run["times"],
                 "cycle": run["cycle"],
                 "params": num_params,
+                "probe": networker.probe_of(run["step"]),
                 **{k: run["sent"].get(k) for k in keys},
             }
             for label, run in runs.items()
@@ -279,5 +278,5 @@ def worker(config: dict[str, Any]) -> None:
             "batch": int(data["x"].shape[0]),
         }
         info = provenance.devices_info(devices)
-        result = {"results": out, "devices": info, "mesh": described, "probe": probe}
+        result = {"results": out, "devices": info, "mesh": described}
         print("RESULT " + json.dumps(result), flush=True)

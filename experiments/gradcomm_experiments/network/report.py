@@ -55,7 +55,6 @@ def records_of(
     results: dict[str, Any], nodes: int, rate: str, links: list[float], local: bool,
     bytes_known: dict[tuple[str, int, str], dict[str, Any]], allocator: str = "retain",
     threads: int | None = None, mesh: dict[str, Any] | None = None,
-    probe: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """network.json records for one cell, with ratios to this cell's allreduce, run by run.
 
@@ -64,9 +63,9 @@ def records_of(
     workers' compute threads (`--threads`; None: not pinned). `mesh` is a 2-D mesh's
     description (`network.mesh.worker`: name, axes, data axes, param specs, batch); None for
     the flat rows. `bytes_known` keeps each (mesh, nodes, label)'s bytes from the cell that
-    measured them. `probe` is the cell's `parallel.calibrate` (a `LinkProbe` as a dict;
-    None where no pairs form): each record's `exchange` is its method's own, else the
-    probe's, which "auto" followed.
+    measured them. Each record's `exchange` is its method's own option, else what its
+    step's probe chose for "auto" (`probe`: a `parallel.StepProbe` as a dict), else None
+    (no swap to choose).
     """
     base = results["allreduce"]["runs"]
     name = mesh["name"] if mesh else "flat"
@@ -102,8 +101,8 @@ def records_of(
                 "timing": "cycle-mean" if res["cycle"] > 1 else "median",
                 "backend": "gloo",
                 "exchange": spec_of(label).options.get("exchange")
-                or (probe["exchange"] if probe else "permute"),
-                "probe": probe,
+                or (res["probe"]["exchange"] if res.get("probe") else None),
+                "probe": res.get("probe"),
                 "netem": False,
                 "allocator": allocator,
                 "framework": "jax",
