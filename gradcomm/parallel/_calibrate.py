@@ -66,13 +66,19 @@ def time_both(
     runs: dict[str, Callable[[], Any]], repeats: int
 ) -> tuple[Literal["permute", "pairwise"], float, float]:
     """Runs the "permute" and "pairwise" programs once each (which opens the connections),
-    then `repeats` interleaved rounds; the faster by the slowest process's medians (every
-    process gets the same, so all choose alike: a collective) and the two medians."""
+    then `repeats` rounds of one run each, the order alternating; the faster by the
+    slowest process's medians (every process gets the same, so all choose alike: a
+    collective) and the two medians. Every timed run starts at a barrier across the
+    processes: without one, a run starts while its partners still finish the previous
+    program, and the program timed second pays for the first one's skew (a swapping
+    `ppermute` on gloo leaves the processes apart)."""
     for kind in KINDS:
         jax.block_until_ready(runs[kind]())
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    for _ in range(repeats):
-        for kind in KINDS:
+    for r in range(repeats):
+        for kind in KINDS[:: 1 if r % 2 == 0 else -1]:
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("gradcomm.parallel probe")
             start = time.perf_counter()
             jax.block_until_ready(runs[kind]())
             times[kind].append(time.perf_counter() - start)
