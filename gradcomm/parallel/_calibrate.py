@@ -98,13 +98,27 @@ def probe_step(
     repeats: int = 3,
 ) -> StepProbe | None:  # fmt: skip
     """Times a step both ways: `lower(kind)` lowers it with its "auto" swaps as `kind`;
-    each compiled program runs on `args` (and its outputs are dropped). None where the
-    two lower alike (no swap that "auto" decides). A collective across processes."""
+    each compiled program trains on from `args` (`(params, state, batch)`: each run takes
+    the params and state the previous one returned, so a method whose phases cycle, as
+    gossip's peers do, is timed over its phases, not in its first one again and again),
+    and its outputs are then dropped. None where the two lower alike (no swap that
+    "auto" decides). A collective across processes."""
     lowered = {kind: lower(kind) for kind in KINDS}
     if lowered["permute"].as_text() == lowered["pairwise"].as_text():
         return None
     compiled = {kind: low.compile() for kind, low in lowered.items()}
-    return StepProbe(*time_both({k: lambda f=f: f(*args) for k, f in compiled.items()}, repeats))
+
+    def training(fn: Callable[..., Any]) -> Callable[[], Any]:
+        carry = list(args)
+
+        def run() -> Any:
+            out = fn(*carry)
+            carry[:2] = out[:2]
+            return out
+
+        return run
+
+    return StepProbe(*time_both({k: training(f) for k, f in compiled.items()}, repeats))
 
 
 _CACHE: dict[tuple[Any, ...], LinkProbe] = {}

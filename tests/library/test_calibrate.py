@@ -85,3 +85,19 @@ def test_step_without_swaps_is_not_probed(monkeypatch):
     for tx in (optax.chain(gradcomm.allreduce(), optax.sgd(0.1)), permute):
         step, _, _ = _adasum_step(monkeypatch, spans=True, tx=tx)
         assert step.probe is None  # both ways lower alike: nothing to time
+
+
+def test_step_probe_trains_on_from_each_run(monkeypatch):
+    """Each timed run takes the params and state the previous one returned, so a method
+    whose phases cycle (gossip's peers) is timed over its phases."""
+    seen = {}
+
+    def fake(runs, repeats):
+        for kind, run in runs.items():
+            seen[kind] = [np.asarray(parallel.host_copy(run()[0])["w"]) for _ in range(3)]
+        return "permute", 1.0, 2.0
+
+    monkeypatch.setattr(_calibrate, "time_both", fake)
+    _adasum_step(monkeypatch, spans=True)
+    for first, second, third in seen.values():
+        assert not np.array_equal(first, second) and not np.array_equal(second, third)
