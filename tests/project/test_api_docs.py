@@ -40,7 +40,6 @@ QUOTED = [
     "docs/bench/network.md",
     "docs/bench/peer/network.md",
     "docs/bench/model.md",
-    "docs/bench/exchange/network.md",
 ]
 
 _MISSING = [
