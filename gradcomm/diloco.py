@@ -114,7 +114,7 @@ def diloco(
       ...         history.append(p)
       ...     return jnp.stack(history)
       >>> grads = jnp.array([[-1.0], [-3.0]])  # one row per device
-      >>> jax.vmap(run, axis_name="data")(jnp.zeros((2, 1)), grads)[..., 0]
+      >>> jax.jit(jax.vmap(run, axis_name="data"))(jnp.zeros((2, 1)), grads)[..., 0]
       Array([[1.       , 5.3199997],
              [3.       , 5.3199997]], dtype=float32)
 

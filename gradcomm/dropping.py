@@ -177,7 +177,7 @@ def gradient_dropping(
       ...                                 warmup_steps=0)
       >>> grads = jnp.array([[4.0, 1.0], [0.0, -2.0]])  # one row per device
       >>> state = tx.init(grads[0])
-      >>> jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data")(grads)[0]
+      >>> jax.jit(jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data"))(grads)[0]
       Array([ 2. , -0.5], dtype=float32)
 
       With FSDP, device j keeps element j of its C (the leaf split over "data"):
@@ -186,7 +186,7 @@ def gradient_dropping(
       >>> tx = gradcomm.gradient_dropping("data", drop_ratio=0.5, local="compensated",
       ...                                 warmup_steps=0, specs=P("data"))
       >>> state = tx.init(grads[0])  # outside a map: the residual from the whole param
-      >>> jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data")(grads)
+      >>> jax.jit(jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data"))(grads)
       Array([[ 2.],
              [-1.]], dtype=float32)
 

@@ -98,7 +98,7 @@ def adasum_reduce(
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
       >>> g = jnp.array([[3.0, 0.0], [0.0, 4.0]])  # two devices, orthogonal rows
-      >>> jax.vmap(lambda x: gradcomm.adasum_reduce(x, "d"), axis_name="d")(g)[0]
+      >>> jax.jit(jax.vmap(lambda x: gradcomm.adasum_reduce(x, "d"), axis_name="d"))(g)[0]
       Array([3., 4.], dtype=float32)
 
     References:
@@ -152,8 +152,9 @@ def adasum_pair(a: Any, b: Any) -> Any:
       The pytree of AS(a_leaf, b_leaf).
 
     Example:
-      >>> import jax.numpy as jnp, gradcomm
-      >>> gradcomm.adasum_pair(jnp.array([2.0, 0.0]), jnp.array([4.0, 0.0]))  # parallel
+      >>> import jax, jax.numpy as jnp, gradcomm
+      >>> pair = jax.jit(gradcomm.adasum_pair)  # one compilation, not one per operation
+      >>> pair(jnp.array([2.0, 0.0]), jnp.array([4.0, 0.0]))  # parallel
       Array([3., 0.], dtype=float32)
 
     References:
@@ -196,7 +197,7 @@ def orthogonality(
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
       >>> g = jnp.array([[1.0, 0.0], [0.0, 1.0]])
-      >>> jax.vmap(lambda x: gradcomm.orthogonality(x, "d"), axis_name="d")(g)[0]
+      >>> jax.jit(jax.vmap(lambda x: gradcomm.orthogonality(x, "d"), axis_name="d"))(g)[0]
       Array(1., dtype=float32)
 
     References:
@@ -260,7 +261,7 @@ def adasum(
       >>> grads = jnp.array([[1.0, 0.0], [0.0, 1.0]])  # one row per device
       >>> state = tx.init(grads[0])
       >>> step = lambda g: tx.update(g, state)[0]
-      >>> jax.vmap(step, axis_name="data")(grads)[0]
+      >>> jax.jit(jax.vmap(step, axis_name="data"))(grads)[0]
       Array([-0.5, -0.5], dtype=float32)
 
     References:

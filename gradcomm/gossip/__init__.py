@@ -130,7 +130,7 @@ def sgp(
       >>> params = jnp.array([[1.0, 0.0], [3.0, 2.0]])  # one row per device
       >>> state = tx.init(params[0])
       >>> step = lambda p: p + tx.update(jnp.zeros(2), state, p)[0]
-      >>> jax.vmap(step, axis_name="data")(params)
+      >>> jax.jit(jax.vmap(step, axis_name="data"))(params)
       Array([[2., 1.],
              [2., 1.]], dtype=float32)
 
@@ -268,7 +268,7 @@ def dpsgd(
       >>> tx = gradcomm.dpsgd("data", topology="hypercube")
       >>> params = jnp.array([[1.0], [3.0]])  # one row per device
       >>> step = lambda p: p + tx.update(jnp.zeros(1), tx.init(p), p)[0]
-      >>> jax.vmap(step, axis_name="data")(params)[:, 0]
+      >>> jax.jit(jax.vmap(step, axis_name="data"))(params)[:, 0]
       Array([2., 2.], dtype=float32)
 
     References:
@@ -308,7 +308,7 @@ def consensus_distance(params: Any, axis_name: _axes.AxisName = "data") -> jax.A
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
       >>> params = jnp.array([[0.0, 0.0], [3.0, 4.0]])
-      >>> jax.vmap(lambda p: gradcomm.consensus_distance(p, "d"), axis_name="d")(params)
+      >>> jax.jit(jax.vmap(lambda p: gradcomm.consensus_distance(p, "d"), axis_name="d"))(params)
       Array([2.5, 2.5], dtype=float32)
     """
     mean = lax.pmean(params, axis_name)

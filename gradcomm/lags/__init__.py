@@ -177,7 +177,7 @@ def lags(
       >>> tx = gradcomm.lags("data", density=0.5)
       >>> updates = jnp.array([[4.0, 1.0], [0.0, -2.0]])  # one row per device
       >>> state = tx.init(updates[0])
-      >>> out, state = jax.vmap(lambda u: tx.update(u, state), axis_name="data")(updates)
+      >>> out, state = jax.jit(jax.vmap(lambda u: tx.update(u, state), axis_name="data"))(updates)
       >>> out[0], state.residual
       (Array([ 2., -1.], dtype=float32), Array([[0., 1.],
              [0., 0.]], dtype=float32))
@@ -188,7 +188,7 @@ def lags(
       >>> from jax.sharding import PartitionSpec as P
       >>> tx = gradcomm.lags("data", density=0.5, specs=P("data"))
       >>> state = tx.init(updates[0])  # outside a map: from the whole param, (1, 2)
-      >>> out, state = jax.vmap(lambda u: tx.update(u, state), axis_name="data")(updates)
+      >>> out, state = jax.jit(jax.vmap(lambda u: tx.update(u, state), axis_name="data"))(updates)
       >>> out, state.residual.shape
       (Array([[ 2.],
              [-1.]], dtype=float32), (2, 1, 2))
@@ -296,7 +296,7 @@ def lags_delta(
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
       >>> x = jnp.array([[3.0, 0.1, 0.2, 0.0], [2.5, 0.0, -0.1, 0.1]])
-      >>> delta = jax.vmap(lambda a: gradcomm.lags_delta(a, 0.25, "d"), axis_name="d")(x)
+      >>> delta = jax.jit(jax.vmap(lambda a: gradcomm.lags_delta(a, 0.25, "d"), axis_name="d"))(x)
       >>> bool(delta[0] < 1)
       True
 

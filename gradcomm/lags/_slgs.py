@@ -72,7 +72,7 @@ def slgs(
       >>> updates = {"a": jnp.array([[4.0, 1.0], [0.0, 0.0]]),  # one row per device
       ...            "b": jnp.array([[0.5, 0.0], [3.0, 0.0]])}
       >>> state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})
-      >>> out = jax.vmap(lambda u: tx.update(u, state)[0], axis_name="data")(updates)
+      >>> out = jax.jit(jax.vmap(lambda u: tx.update(u, state)[0], axis_name="data"))(updates)
       >>> out["a"][0], out["b"][0]
       (Array([2., 0.], dtype=float32), Array([1.5, 0. ], dtype=float32))
 

@@ -195,7 +195,7 @@ def low_precision(
       >>> from gradcomm.low_precision import low_precision
       >>> tx = low_precision("data")  # bfloat16: 8 significant bits
       >>> grads = jnp.array([[1.0, 3.14159], [2.0, 3.14159]])  # one row per device
-      >>> jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(grads)
+      >>> jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data"))(grads)
       Array([[1.5     , 3.140625],
              [1.5     , 3.140625]], dtype=float32)
 
@@ -206,9 +206,10 @@ def low_precision(
       >>> def step(g):
       ...     mean, state = tx.update(g, tx.init(g))
       ...     return mean[0], state.overflow
-      >>> jax.vmap(step, axis_name="data")(jnp.array([[6e4], [6e4]]))
+      >>> mapped = jax.jit(jax.vmap(step, axis_name="data"))  # one compilation, two calls
+      >>> mapped(jnp.array([[6e4], [6e4]]))
       (Array([60000., 60000.], dtype=float32), Array([False, False], dtype=bool))
-      >>> jax.vmap(step, axis_name="data")(jnp.array([[1.2e5], [1.2e5]]))
+      >>> mapped(jnp.array([[1.2e5], [1.2e5]]))
       (Array([inf, inf], dtype=float32), Array([ True,  True], dtype=bool))
 
       With FSDP, device j keeps row j of the mean of a leaf split over "data":
@@ -216,7 +217,7 @@ def low_precision(
       >>> from jax.sharding import PartitionSpec as P
       >>> tx = low_precision("data", specs=P("data"))
       >>> grads = jnp.array([[1.0, 3.14159], [2.0, 3.14159]])  # whole, one row per device
-      >>> jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(grads)
+      >>> jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data"))(grads)
       Array([[1.5     ],
              [3.140625]], dtype=float32)
 

@@ -231,7 +231,7 @@ def powersgd(
       >>> state = tx.init({"w": jnp.zeros((4, 6)), "b": jnp.zeros(2)})
       >>> [q.shape for q in state.q]  # w: 24 / (1 * (4 + 6)) = 2.4 > 2, compressed
       [(6, 1)]
-      >>> out, state = jax.vmap(lambda g: tx.update(g, state), axis_name="data")(grads)
+      >>> out, state = jax.jit(jax.vmap(lambda g: tx.update(g, state), axis_name="data"))(grads)
       >>> out["b"][0]  # a vector: the dense mean
       Array([2., 3.], dtype=float32)
       >>> bool(jnp.allclose(out["w"][0], 2 * jnp.outer(u, v), rtol=1e-5))  # rank 1: exact

@@ -63,7 +63,7 @@ def sum_pairs(
       >>> values = jnp.array([[1.0, 2.0], [4.0, 8.0]])  # one row per device
       >>> indices = jnp.array([[0, 3], [3, 1]], jnp.int32)  # both send index 3
       >>> f = lambda v, i: sparse.sum_pairs(v, i, 4, "data")
-      >>> jax.vmap(f, axis_name="data")(values, indices)[0]
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(values, indices)[0]
       Array([1., 8., 0., 6.], dtype=float32)
     """
     return sum_sparse([(values, indices)], [size], axis_name, divide_by=divide_by)[0]
@@ -112,7 +112,7 @@ def sum_sparse(
       >>> from gradcomm import sparse
       >>> x = jnp.array([[0.0, 3.0, 0.0, 1.0], [2.0, 5.0, 0.0, 0.0]])  # one row per device
       >>> f = lambda x: sparse.sum_sparse([sparse.topk(x, 1)], [4], "data", divide_by=2)
-      >>> jax.vmap(f, axis_name="data")(x)[0][0]
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(x)[0][0]
       Array([0., 4., 0., 0.], dtype=float32)
     """
     if scatter is not None and any(scatter):
@@ -148,7 +148,7 @@ def sum_sparse_segments(
       >>> from gradcomm import sparse
       >>> x = jnp.array([[0.0, 3.0, 0.0], [2.0, 0.0, 0.0]])  # one row per device
       >>> f = lambda x: sparse.sum_sparse_segments(sparse.topk(x, 1), [1, 2], "data")
-      >>> jax.vmap(f, axis_name="data")(x)[1][0]
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(x)[1][0]
       Array([3., 0.], dtype=float32)
     """
     starts = _flat.offsets(sizes)
@@ -214,7 +214,7 @@ def sum_scattered(
       >>> from gradcomm import sparse
       >>> x = jnp.array([[0.0, 3.0, 0.0, 1.0], [2.0, 5.0, 0.0, 0.0]])  # one row per device
       >>> f = lambda x: sparse.sum_scattered([sparse.topk(x, 1)], [4], "data", [True])[0]
-      >>> jax.vmap(f, axis_name="data")(x)  # device j: elements 2j, 2j + 1 of [0, 8, 0, 0]
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(x)  # device j: elements 2j, 2j + 1 of [0, 8, 0, 0]
       Array([[0., 8.],
              [0., 0.]], dtype=float32)
     """

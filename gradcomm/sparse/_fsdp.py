@@ -119,7 +119,7 @@ def own_shard(flat: jax.Array, n: int, axis_name: _axes.AxisName) -> jax.Array:
       >>> import jax, jax.numpy as jnp
       >>> from gradcomm import sparse
       >>> f = lambda x: sparse.own_shard(x, 2, "data")
-      >>> jax.vmap(f, axis_name="data")(jnp.arange(8.0).reshape(2, 4))  # row d: device d's
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(jnp.arange(8.0).reshape(2, 4))  # row d: device d's
       Array([[0., 1.],
              [6., 7.]], dtype=float32)
     """
@@ -136,7 +136,7 @@ def shard_index(indices: jax.Array, size: int, n: int, axis_name: _axes.AxisName
       >>> import jax, jax.numpy as jnp
       >>> from gradcomm import sparse
       >>> f = lambda i: sparse.shard_index(i, 8, 2, "data")
-      >>> jax.vmap(f, axis_name="data")(jnp.array([[1, 5], [1, 5]], jnp.int32))
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(jnp.array([[1, 5], [1, 5]], jnp.int32))
       Array([[1, 4],
              [4, 1]], dtype=int32)
     """
@@ -158,7 +158,7 @@ def reduce_scatter_dense(xs: Sequence[jax.Array], axis_name: _axes.AxisName) -> 
       >>> import jax, jax.numpy as jnp
       >>> from gradcomm import sparse
       >>> f = lambda x: sparse.reduce_scatter_dense([x], "data")[0]
-      >>> jax.vmap(f, axis_name="data")(jnp.array([[1.0, 2.0], [4.0, 8.0]]))
+      >>> jax.jit(jax.vmap(f, axis_name="data"))(jnp.array([[1.0, 2.0], [4.0, 8.0]]))
       Array([[ 5.],
              [10.]], dtype=float32)
     """

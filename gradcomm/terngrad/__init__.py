@@ -116,7 +116,8 @@ def ternarize(
 
     Example:
       >>> import jax, jax.numpy as jnp, gradcomm
-      >>> codes, scale = gradcomm.ternarize(jnp.array([0.5, -1.0, 0.0]), jax.random.key(0))
+      >>> ternarize = jax.jit(gradcomm.ternarize)  # one compilation, not one per operation
+      >>> codes, scale = ternarize(jnp.array([0.5, -1.0, 0.0]), jax.random.key(0))
       >>> codes.dtype, float(scale), int(codes[1]), int(codes[2])
       (dtype('int8'), 1.0, -1, 0)
 
@@ -227,14 +228,14 @@ def terngrad(
       >>> tx = gradcomm.terngrad("data", clip=None)
       >>> grads = jnp.array([[1.0, -1.0], [1.0, 1.0]])  # one row per device
       >>> state = tx.init(grads[0])
-      >>> jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data")(grads)[0]
+      >>> jax.jit(jax.vmap(lambda g: tx.update(g, state)[0], axis_name="data"))(grads)[0]
       Array([1., 0.], dtype=float32)
 
       With FSDP, device j keeps row j of the same mean:
 
       >>> from jax.sharding import PartitionSpec as P
       >>> fsdp = gradcomm.terngrad("data", clip=None, specs=P("data"))
-      >>> jax.vmap(lambda g: fsdp.update(g, state)[0], axis_name="data")(grads)
+      >>> jax.jit(jax.vmap(lambda g: fsdp.update(g, state)[0], axis_name="data"))(grads)
       Array([[1.],
              [0.]], dtype=float32)
 

@@ -1,6 +1,6 @@
-"""The Colab notebooks run top to bottom on CPU, on 8 simulated devices and on 1, and are
-committed with the outputs of that run on 8 devices; the tour covers every method of the
-README's methods table.
+"""The Colab notebooks run top to bottom on CPU, on 8 simulated devices (the tour also on 1),
+and are committed with the outputs of that run on 8 devices; the tour covers every method of
+the README's methods table.
 
 tests/project/test_packaging.py runs their install cell in a fresh venv, from a built wheel.
 
@@ -169,9 +169,28 @@ def check_tour(notebook, devices):
         assert {m["sent"] for _, m in rows} == {"0"}
 
 
+def device_cell(path):
+    """The source of the notebook's device cell: the code cell that reads GRADCOMM_CPU_DEVICES
+    and says what one device means."""
+    cells = [
+        c.source
+        for c in nbformat.read(path, as_version=4).cells
+        if c.cell_type == "code" and "GRADCOMM_CPU_DEVICES" in c.source
+    ]
+    assert len(cells) == 1, path
+    return cells[0]
+
+
+# Each notebook runs on 8 devices (its committed outputs are that run's); the tour also runs on
+# 1, where every method of the README's table must report 0 bytes. The quickstart's 1-device
+# run checked nothing the tour's does not: its device cell is the tour's
+# (`test_notebooks_share_the_device_cell`), and its Adasum `train_step` and `wire.measure` on
+# one device are the tour's too.
+RUNS = [(path, 8) for path in NOTEBOOKS] + [(ROOT / "colab" / "tour.ipynb", 1)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [8, 1])
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize(("path", "devices"), RUNS, ids=lambda x: getattr(x, "name", x))
 def test_notebook_runs(path, devices):
     notebook = execute(path, devices)
     assert not output_problems(notebook)
@@ -218,6 +237,13 @@ def test_notebooks_are_committed_with_outputs(path):
 
 def test_there_are_notebooks():
     assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb", "tour.ipynb"}
+
+
+def test_notebooks_share_the_device_cell():
+    """The cell that picks the devices, and prints what one device means, is one cell: the
+    tour's run on 1 device (`test_notebook_runs`) checks it for every notebook."""
+    assert len({device_cell(p) for p in NOTEBOOKS}) == 1, "the notebooks' device cells differ"
+    assert "nothing crosses a wire" in device_cell(NOTEBOOKS[0])
 
 
 def test_install_cells_agree_with_the_requirements():
