@@ -48,14 +48,16 @@ TOUR_ROW = re.compile(
 )
 
 
-def install_cell(path):
-    """The source of the notebook's install cell: the code cell that sets JAX_MINIMUM."""
+def code_cell(path, marker):
+    """The source of the notebook's one code cell that contains `marker`: "JAX_MINIMUM = "
+    finds the install cell, "GRADCOMM_CPU_DEVICES" the device cell (which says what one
+    device means)."""
     cells = [
         c.source
         for c in nbformat.read(path, as_version=4).cells
-        if c.cell_type == "code" and "JAX_MINIMUM = " in c.source
+        if c.cell_type == "code" and marker in c.source
     ]
-    assert len(cells) == 1, path
+    assert len(cells) == 1, (path, marker)
     return cells[0]
 
 
@@ -169,18 +171,6 @@ def check_tour(notebook, devices):
         assert {m["sent"] for _, m in rows} == {"0"}
 
 
-def device_cell(path):
-    """The source of the notebook's device cell: the code cell that reads GRADCOMM_CPU_DEVICES
-    and says what one device means."""
-    cells = [
-        c.source
-        for c in nbformat.read(path, as_version=4).cells
-        if c.cell_type == "code" and "GRADCOMM_CPU_DEVICES" in c.source
-    ]
-    assert len(cells) == 1, path
-    return cells[0]
-
-
 # Each notebook runs on 8 devices (its committed outputs are that run's); the tour also runs on
 # 1, where every method of the README's table must report 0 bytes. The quickstart's 1-device
 # run checked nothing the tour's does not: its device cell is the tour's
@@ -242,12 +232,13 @@ def test_there_are_notebooks():
 def test_notebooks_share_the_device_cell():
     """The cell that picks the devices, and prints what one device means, is one cell: the
     tour's run on 1 device (`test_notebook_runs`) checks it for every notebook."""
-    assert len({device_cell(p) for p in NOTEBOOKS}) == 1, "the notebooks' device cells differ"
-    assert "nothing crosses a wire" in device_cell(NOTEBOOKS[0])
+    cells = {code_cell(p, "GRADCOMM_CPU_DEVICES") for p in NOTEBOOKS}
+    assert len(cells) == 1, "the notebooks' device cells differ"
+    assert "nothing crosses a wire" in cells.pop()
 
 
 def test_install_cells_agree_with_the_requirements():
-    cells = {install_cell(p) for p in NOTEBOOKS}
+    cells = {code_cell(p, "JAX_MINIMUM = ") for p in NOTEBOOKS}
     assert len(cells) == 1, "the notebooks' install cells differ"
     (minimum,) = re.findall(r'^JAX_MINIMUM = "([^"]+)"', cells.pop(), re.M)
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
