@@ -61,7 +61,7 @@ STUDIES = {
         "--train-size",
         "512",
         "--methods",
-        "allreduce,dropping-local",
+        "dropping-local",  # the study's subject (per-device params, a sync) on both models
         "--length",
         "6",
     ],
@@ -407,7 +407,9 @@ def test_compare_on_one_device_says_nothing_crosses_a_wire(tmp_path):
     # One method with replicated params and one with per-device params (Adasum on one
     # device: adasum_large_batch.py's N=1), over two seeds: each run says its seed, each
     # method its mean and min-max.
-    methods = ["--method", "allreduce,sgp"]
+    # The one test of compare.py's interleaved step timing (the others turn it off: it
+    # compiles every method's step again): 3 rounds of 2 steps, alternating order.
+    methods = ["--method", "allreduce,sgp", "--timing-rounds", "3", "--timing-steps", "2"]
     result = run(
         "compare.py", "--devices", "1", "--epochs", "1", "--batch-size", "64", "--seeds", "0,1",
         "--quiet", *methods, "--out", str(tmp_path),
@@ -425,7 +427,14 @@ def test_compare_on_one_device_says_nothing_crosses_a_wire(tmp_path):
         assert s["test_accuracy"]["per_seed"] == each
         assert s["test_accuracy"]["mean"] == pytest.approx(np.mean(each))
     check_provenance(study["provenance"], devices=1, seeds=[0, 1])
+    # Each method's step time: the median of its rounds, the same for both seeds' runs.
+    timed = study["step_timing"]
+    assert timed["steps"] == 2 and len(timed["loop_step_seconds"]) == 4
+    assert {m: len(r) for m, r in timed["rounds"].items()} == {"allreduce": 3, "sgp": 3}
+    for r in runs:
+        assert r["step_seconds"] == np.median(timed["rounds"][r["method"]]) > 0
     table = (tmp_path / "compare.md").read_text()
+    assert "Step time: the median of 3 interleaved rounds" in table
     assert "One device: nothing crosses a wire" in table
     assert "mean (min-max) over 2 seeds" in table and "over seeds 0, 1" in table
     assert (tmp_path / "compare_bytes.png").stat().st_size > 0
@@ -436,7 +445,9 @@ def test_compare_runs_every_method_and_writes_json_pngs_and_markdown(tmp_path):
     # No --quiet: the output is a pipe, so the progress bars stay off (no "\r" flood).
     # One seed (several: the test below, and the summary's own test above); 2 epochs, 88
     # steps: local SGD and DiLoCo average 4 times, dropping-local once.
-    args = ["--devices", "2", "--epochs", "2", "--seeds", "0", "--out", str(tmp_path)]
+    # No interleaved step timing (it compiles each step again; tested on one device above).
+    args = ["--devices", "2", "--epochs", "2", "--seeds", "0", "--timing-rounds", "0",
+            "--out", str(tmp_path)]  # fmt: skip
     result = run("compare.py", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "\r" not in result.stderr and "\r" not in result.stdout
@@ -463,20 +474,28 @@ def test_compare_runs_every_method_and_writes_json_pngs_and_markdown(tmp_path):
     assert "| adasum |" in table and "Pareto front" in table
 
 
-# What may differ between two runs of the same command: how long things took.
+# What may differ between two runs of the same recipe: how long things took.
 TIMINGS = ("step_seconds", "wall_seconds")
 
 
-@pytest.mark.slow
 def test_compare_twice_gives_the_same_results(tmp_path):
-    """The same command twice: the same runs, bit for bit, and the same summary and front."""
-    common = ["--devices", "2", "--epochs", "1", "--batch-size", "64", "--quiet",
-              "--method", "allreduce,lags", "--seeds", "0"]  # fmt: skip
-    studies = []
-    for out in ("first", "second"):
-        result = run("compare.py", *common, "--out", str(tmp_path / out))
-        assert result.returncode == 0, result.stderr[-3000:]
-        studies.append(json.loads((tmp_path / out / "compare.json").read_text()))
+    """The comparison twice, as train.py and then as compare.py with the same settings (one
+    recipe, `compare.run_methods`): the same runs, bit for bit, and the same summary and
+    front. The first run is also train.py's smoke test (its files; compare.py's: above)."""
+    common = ["--devices", "2", "--epochs", "1", "--batch-size", "64",
+              "--method", "allreduce,lags", "--timing-rounds", "0"]  # fmt: skip
+    # No --quiet: the output is a pipe, so the progress bars stay off (no "\r" flood).
+    train = run("train.py", *common, "--seed", "3", "--out", str(tmp_path / "train"))
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "\r" not in train.stderr
+    assert {p.name for p in (tmp_path / "train").iterdir()} == {
+        "train.json", "train.md", "train.png", "train_bytes.png"
+    }  # fmt: skip
+    compare = run("compare.py", *common, "--seeds", "3", "--quiet", "--out", str(tmp_path))
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    studies = [json.loads((tmp_path / f).read_text()) for f in ("train/train.json", "compare.json")]
+    for study in studies:
+        check_provenance(study["provenance"], devices=2, seeds=[3])
 
     def results(study):
         drop = lambda record: {k: v for k, v in record.items() if k not in TIMINGS}  # noqa: E731
@@ -487,21 +506,8 @@ def test_compare_twice_gives_the_same_results(tmp_path):
         }
 
     first, second = map(results, studies)
-    assert [r["method"] for r in first["runs"]] == ["allreduce", "lags"]
+    assert [(r["seed"], r["method"]) for r in first["runs"]] == [(3, "allreduce"), (3, "lags")]
     assert first == second
-
-
-def test_train_runs_one_method(tmp_path):
-    result = run("train.py", "--devices", "2", "--epochs", "1", "--method", "lags", "--seed", "3",
-                 "--out", str(tmp_path))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "\r" not in result.stderr
-    study = json.loads((tmp_path / "train.json").read_text())
-    assert [r["method"] for r in study["runs"]] == ["lags"]
-    check_provenance(study["provenance"], devices=2, seeds=[3])
-    assert {p.name for p in tmp_path.iterdir()} == {
-        "train.json", "train.md", "train.png", "train_bytes.png"
-    }  # fmt: skip
 
 
 @pytest.mark.slow
@@ -515,7 +521,8 @@ def test_compare_in_two_processes_matches_one(tmp_path):
     # A psum, a sparse all-gather and per-device params averaged now and then (Adasum and
     # SGP across two processes, bit for bit: tests/suites/test_multiprocess.py).
     methods = "allreduce,lags,local-sgd"
-    common = ["--epochs", "1", "--method", methods, "--seeds", "0", "--no-progress"]
+    common = ["--epochs", "1", "--method", methods, "--seeds", "0", "--no-progress",
+              "--timing-rounds", "0"]  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
