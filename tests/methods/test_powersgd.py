@@ -417,18 +417,25 @@ def tp_run(tx, mesh, specs, grads):
     def body(g):
         g = jax.tree.map(lambda x: x[:, 0], g)
         state = tx.init(jax.tree.map(lambda x: x[0] * 0, g))  # typed like the grads
-        outs, qs = [], []
-        for t in range(TP_STEPS):
-            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state)
-            outs.append(out)
-            qs.append(state.q)
-        outs = jax.tree.map(lambda *xs: jnp.stack(xs)[:, None], *outs)
-        qs = jax.tree.map(lambda *xs: jnp.stack(xs), *qs)
+
+        def step(state, u):  # a `lax.scan`: the update compiled once, not once per step
+            out, new = tx.update(u, state)
+            return jax.tree.map(typed_like, new, state), (out, new.q)
+
+        state, (outs, qs) = lax.scan(step, state, g)
+        outs = jax.tree.map(lambda x: x[:, None], outs)
         return outs, qs, jax.tree.map(lambda r: r[None], state.residual)
 
     f = shard_map_jit(body, mesh, (lead,), (lead, P(), residual_specs))
     placed = {k: jax.device_put(v, NamedSharding(mesh, lead[k])) for k, v in grads.items()}
     return jax.tree.map(np.asarray, f(placed))
+
+
+def typed_like(new, old):
+    """`new` typed as varying over the mesh axes `old` varies over, as a scan's carry must
+    be (a residual that is zero so far is typed as replicated)."""
+    missing = tuple(sorted(_axes.varying_axes(old) - _axes.varying_axes(new)))
+    return lax.pcast(new, missing, to="varying") if missing else new
 
 
 def shard_map_jit(body, mesh, in_specs, out_specs, check_vma=True):

@@ -43,6 +43,22 @@ def update_fn(exchange="auto", clip=2.5, dense=None):
     return f
 
 
+@functools.cache
+def configs_fn(configs):
+    """A hashable per-device function: one terngrad update at step `count` per set of
+    keyword arguments in `configs` (tuples of (name, value) pairs), all in one program;
+    the results keyed by the configuration's index, "0", "1", ..."""
+
+    def f(tree, count):
+        outs = {}
+        for i, config in enumerate(configs):
+            tx = gradcomm.terngrad("data", **dict(config))
+            outs[str(i)] = tx.update(tree, tx.init(tree)._replace(count=count))[0]
+        return outs
+
+    return f
+
+
 def run(n, tree, count=0, **kwargs):
     return per_device(update_fn(**kwargs), n, tree, np.full(n, count, np.int32))
 
@@ -57,8 +73,12 @@ def every_exchange(tree, count):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])  # one device, pairs, odd counts, a full byte
-def test_exchanges_agree_bit_for_bit_and_devices_agree(n):
+def test_exchanges_agree_and_levels_use_the_shared_scale(n):
+    """Every exchange gives the same bits on every device, in each leaf's dtype; and every
+    element of the float32 leaf is k * s / N with |k| <= N and s the max over devices
+    (eq. 4), here on the last device (one compiled program per N checks both)."""
     tree = mixed_tree(np.random.default_rng(n), n)
+    tree["w"][n - 1] *= 3  # the largest scale lives on the last device
     outs = per_device(every_exchange, n, tree, np.zeros(n, np.int32))
     for mode in EXCHANGES[1:]:
         for leaf in tree:
@@ -67,28 +87,22 @@ def test_exchanges_agree_bit_for_bit_and_devices_agree(n):
         assert value.dtype == tree[leaf].dtype
         for row in value[1:]:
             np.testing.assert_array_equal(row, value[0])
-
-
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_levels_use_the_shared_scale(n):
-    """Every element is k * s / N with |k| <= N and s the max over devices (eq. 4)."""
-    g = np.random.default_rng(0).standard_normal((n, 200)).astype(np.float32)
-    g[n - 1] *= 3  # the largest scale lives on the last device
-    out = run(n, {"g": g})["g"][0].astype(np.float64)
+    g = tree["w"].reshape(n, -1)
     scale = expected_scale(list(g), 2.5, n)
-    levels = out * n / scale
+    levels = outs["auto"]["w"][0].reshape(-1).astype(np.float64) * n / scale
     np.testing.assert_allclose(levels, np.round(levels), atol=1e-5)
     assert np.abs(levels).max() <= n
     assert scale >= max(np.abs(reference.terngrad_clip(x, 2.5)).max() for x in g)
 
 
 def test_ternarize_codes_and_scale():
+    ternarize = jax.jit(gradcomm.ternarize, static_argnames="clip")  # not op by op
     g = np.random.default_rng(1).standard_normal((50, 3)).astype(np.float32)
-    codes, scale = gradcomm.ternarize(jnp.asarray(g), jax.random.key(3))
+    codes, scale = ternarize(jnp.asarray(g), jax.random.key(3))
     assert codes.dtype == jnp.int8 and set(np.unique(codes)) <= {-1, 0, 1}
     np.testing.assert_allclose(scale, np.abs(reference.terngrad_clip(g, 2.5)).max(), rtol=1e-6)
     assert np.all((codes == 0) | (np.sign(codes) == np.sign(g)))
-    _, unclipped = gradcomm.ternarize(jnp.asarray(g), jax.random.key(3), clip=None)
+    _, unclipped = ternarize(jnp.asarray(g), jax.random.key(3), clip=None)
     np.testing.assert_allclose(unclipped, np.abs(g).max(), rtol=1e-7)
 
 
@@ -125,11 +139,23 @@ def test_unbiased_over_4000_steps(clip):
         assert np.abs(out.mean(0)[:3] - unclipped[:3]).max() > 10 * standard_error[:3].max()
 
 
+def bits_tree(n=4):
+    """Equal gradients on every device, a constant leaf and a size-one leaf (one program
+    for the two tests below)."""
+    g = np.tile(np.random.default_rng(2).standard_normal((1, 300)).astype(np.float32), (n, 1))
+    return {
+        "g": g,
+        "constant": np.full((n, 10), 0.75, np.float32),
+        "one": np.full((n, 1), -2.0, np.float32),
+    }
+
+
 def test_random_bits_differ_between_devices_and_steps():
     n = 4
-    g = np.tile(np.random.default_rng(2).standard_normal((1, 300)).astype(np.float32), (n, 1))
-    first = run(n, {"g": g}, count=0)["g"][0]
-    second = run(n, {"g": g}, count=1)["g"][0]
+    tree = bits_tree(n)
+    g = tree["g"]
+    first = run(n, tree, count=0)["g"][0]
+    second = run(n, tree, count=1)["g"][0]
     assert not np.array_equal(first, second)
     # Equal gradients everywhere: with equal bits every level would be -N, 0 or N.
     scale = expected_scale(list(g), 2.5, n)
@@ -138,12 +164,7 @@ def test_random_bits_differ_between_devices_and_steps():
 
 
 def test_constant_and_size_one_leaves_are_not_zeroed():
-    n = 4
-    tree = {
-        "constant": np.full((n, 10), 0.75, np.float32),
-        "one": np.full((n, 1), -2.0, np.float32),
-    }
-    out = run(n, tree)
+    out = run(4, bits_tree(4))
     np.testing.assert_allclose(out["constant"][0], 0.75, rtol=1e-5)
     np.testing.assert_allclose(out["one"][0], -2.0, rtol=1e-5)
 
@@ -159,13 +180,16 @@ def test_zero_and_non_finite_inputs():
     }
     tree["nan"][1, 2] = np.nan
     tree["inf"][2, 0] = np.inf
-    for mode in ("auto", "psum"):
-        for clip in (2.5, None):
-            out = run(n, tree, exchange=mode, clip=clip)
-            np.testing.assert_array_equal(out["zero"], 0)
-            assert not np.isfinite(out["nan"]).any()
-            assert not np.isfinite(out["inf"]).any()
-            assert np.isfinite(out["clean"]).all()
+    configs = tuple(
+        (("exchange", mode), ("clip", clip)) for mode in ("auto", "psum") for clip in (2.5, None)
+    )
+    outs = per_device(configs_fn(configs), n, tree, np.zeros(n, np.int32))
+    assert len(outs) == 4
+    for out in outs.values():
+        np.testing.assert_array_equal(out["zero"], 0)
+        assert not np.isfinite(out["nan"]).any()
+        assert not np.isfinite(out["inf"]).any()
+        assert np.isfinite(out["clean"]).all()
 
 
 def test_dense_leaves_are_averaged_in_float():
@@ -181,8 +205,11 @@ def test_dense_leaves_are_averaged_in_float():
             "bias": rng.standard_normal((n, 2)).astype(np.float32),
         },
     }
-    for dense in (("Dense_1",), 4, lambda name, leaf: name.startswith("Dense_1")):
-        out = run(n, tree, dense=dense)
+    forms = (("Dense_1",), 4, _in_dense_1)
+    configs = tuple((("dense", d),) for d in forms)
+    outs = per_device(configs_fn(configs), n, tree, np.zeros(n, np.int32))
+    for i, dense in enumerate(forms):
+        out = outs[str(i)]
         mean = jax.tree.map(lambda x: x.mean(0), tree)
         np.testing.assert_allclose(out["Dense_1"]["bias"][0], mean["Dense_1"]["bias"], rtol=1e-5)
         if dense != 4:
@@ -190,6 +217,10 @@ def test_dense_leaves_are_averaged_in_float():
                 out["Dense_1"]["kernel"][0], mean["Dense_1"]["kernel"], rtol=1e-5
             )
         assert not np.allclose(out["Dense_0"]["kernel"][0], mean["Dense_0"]["kernel"])
+
+
+def _in_dense_1(name, leaf):
+    return name.startswith("Dense_1")
 
 
 @pytest.mark.parametrize(
@@ -227,7 +258,7 @@ def test_unknown_dense_leaves_raise_at_trace_time():
         jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(grads)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])  # "auto": the all-gather at 2, the all-to-all from 3
 def test_wire_bytes_against_a_dense_psum(n):
     """At N = 8 on 1.2M parameters, at most 1/6 of a float32 psum's bytes."""
     tx = gradcomm.terngrad("data")
@@ -243,9 +274,14 @@ SHARDED_SPECS = {"rows": P("model", None), "cols": P(None, "model"), "bias": P()
 SHARDED_SHAPES = {"rows": (16, 6), "cols": (5, 8), "bias": (7,)}
 
 
+# The packed exchanges differ only in how the codes cross 'data', the same for any dtype:
+# float32 runs every exchange; bfloat16 and float16 the floats' and the packed default.
+TWO_EXCHANGES = ("psum", "auto")
+
+
 @functools.cache
-def sharded_update(sharded, clip=2.5, dense=None, specs=True):
-    """One terngrad update per exchange, on leaves split over 'model' or whole."""
+def sharded_update(sharded, clip=2.5, dense=None, specs=True, modes=EXCHANGES):
+    """One terngrad update per exchange of `modes`, on leaves split over 'model' or whole."""
     explicit = (AxisType.Explicit,) * 2
     if sharded:
         mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=explicit)
@@ -258,7 +294,7 @@ def sharded_update(sharded, clip=2.5, dense=None, specs=True):
     def body(tree):
         tree = jax.tree.map(lambda x: x[0], tree)
         outs = {}
-        for mode in EXCHANGES:
+        for mode in modes:
             tx = gradcomm.terngrad(
                 "data",
                 clip=clip,
@@ -271,9 +307,7 @@ def sharded_update(sharded, clip=2.5, dense=None, specs=True):
         return jax.tree.map(lambda x: x[None], outs)
 
     f = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(in_specs,), out_specs={m: in_specs for m in EXCHANGES}
-        )
+        jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs={m: in_specs for m in modes})
     )
 
     def run(tree):
@@ -291,7 +325,7 @@ def sharded_tree(dtype=np.float32, seed=0):
 
 
 def assert_same_on_every_exchange_and_device(outs):
-    for mode in EXCHANGES:
+    for mode in outs:
         for leaf, value in outs[mode].items():
             np.testing.assert_array_equal(value, outs["psum"][leaf], err_msg=mode)
             np.testing.assert_array_equal(value[1], value[0], err_msg=leaf)
@@ -301,8 +335,10 @@ def assert_same_on_every_exchange_and_device(outs):
 def test_a_leaf_sharded_over_a_model_axis_is_ternarized_whole(dtype):
     """The same codes as on the whole tensors, up to the last bits of sigma's sums."""
     tree = sharded_tree(dtype)
-    got = sharded_update(True)(tree)
-    want = sharded_update(False)(tree)
+    modes = EXCHANGES if dtype == np.float32 else TWO_EXCHANGES
+    got = sharded_update(True, modes=modes)(tree)
+    want = sharded_update(False, modes=modes)(tree)
+    assert sorted(got) == sorted(modes)
     assert_same_on_every_exchange_and_device(got)
     for leaf, value in got["auto"].items():
         assert value.dtype == dtype
@@ -315,8 +351,8 @@ def test_without_clipping_and_with_a_size_threshold_the_bits_are_the_whole_tenso
     """No sigma to sum: the same bits. The threshold counts the whole tensor's elements."""
     tree = sharded_tree()
     piece = SHARDED_SHAPES["rows"][0] // 4 * SHARDED_SHAPES["rows"][1]
-    got = sharded_update(True, clip=None, dense=piece)(tree)
-    want = sharded_update(False, clip=None, dense=piece)(tree)
+    got = sharded_update(True, clip=None, dense=piece, modes=TWO_EXCHANGES)(tree)
+    want = sharded_update(False, clip=None, dense=piece, modes=TWO_EXCHANGES)(tree)
     assert_same_on_every_exchange_and_device(got)
     for leaf in SHARDED_SPECS:
         np.testing.assert_array_equal(got["auto"][leaf], want["auto"][leaf], err_msg=leaf)
@@ -335,8 +371,8 @@ def test_zero_and_non_finite_sharded_leaves_behave_as_whole_ones(bad):
     tree = sharded_tree()
     tree["rows"][:] = 0
     tree["cols"][1, 3, 7] = bad  # data device 1, model shard 3
-    got = sharded_update(True)(tree)
-    want = sharded_update(False)(tree)
+    got = sharded_update(True, modes=EXCHANGES)(tree)  # float32's program above
+    want = sharded_update(False, modes=EXCHANGES)(tree)
     for mode in EXCHANGES:
         np.testing.assert_array_equal(got[mode]["rows"], 0)
         assert not np.isfinite(got[mode]["cols"]).any()
@@ -355,6 +391,9 @@ FSDP_SHAPES = {  # name: (shape, dtype)
     "bias": ((7,), np.float32),  # not FSDP: the whole mean, as without specs
 }
 FSDP_LEAF_SPECS = {k: P("data") for k in FSDP_SHAPES} | {"bias": P()}
+# Every packed exchange sends FSDP leaves by the same all-to-all of the codes (the exchange
+# only picks how whole leaves travel, which the tests above hold for every exchange): the
+# FSDP tests run the floats' exchange and the packed default.
 
 
 @functools.cache
@@ -365,7 +404,7 @@ def fsdp_update(n, clip=2.5):
     def body(tree):
         tree = jax.tree.map(lambda x: x[0], tree)
         outs = {}
-        for mode in EXCHANGES:
+        for mode in TWO_EXCHANGES:
             for fsdp, specs in (("fsdp", FSDP_LEAF_SPECS), ("whole", None)):
                 tx = gradcomm.terngrad(
                     "data", clip=clip, seed=9, dense=["dense"], exchange=mode, specs=specs
@@ -385,14 +424,14 @@ def fsdp_tree(n, seed=0):
     return {k: v.astype(FSDP_SHAPES[k][1]) for k, v in tree.items()}
 
 
-@pytest.mark.parametrize("n", [3])  # 2, 4 and 8: the train_step and wire tests below
+@pytest.mark.parametrize("n", [3])  # 2, 4 and 8: the model-axis, train_step and wire tests
 def test_fsdp_shard_is_the_slice_of_the_whole_mean(n):
     """Device j gets rows [j r, (j + 1) r) of what it gets without specs, bit for bit with
-    every exchange (the same seed draws the same codes), in float32, bfloat16 and float16; the
-    float (dense) leaf to rounding."""
+    the floats' and the packed exchange (the same seed draws the same codes), in float32,
+    bfloat16 and float16; the float (dense) leaf to rounding."""
     tree = fsdp_tree(n)
     outs = fsdp_update(n)(tree)
-    for mode in EXCHANGES:
+    for mode in TWO_EXCHANGES:
         got, want = outs[mode, "fsdp"], outs[mode, "whole"]
         np.testing.assert_array_equal(got["bias"], want["bias"], err_msg=mode)
         for leaf, (shape, _) in FSDP_SHAPES.items():
@@ -431,13 +470,13 @@ def fsdp_and_model_update():
     def body(tree):
         tree = jax.tree.map(lambda x: x[0], tree)
         outs = {}
-        for mode in EXCHANGES:
+        for mode in TWO_EXCHANGES:
             for name, specs in (("fsdp", fsdp), ("model", model)):
                 tx = gradcomm.terngrad("data", seed=5, exchange=mode, specs=specs)
                 outs[mode, name] = tx.update(tree, tx.init(tree))[0]
         return jax.tree.map(lambda x: x[None], outs)
 
-    keys = [(mode, name) for mode in EXCHANGES for name in ("fsdp", "model")]
+    keys = [(mode, name) for mode in TWO_EXCHANGES for name in ("fsdp", "model")]
     out_specs = dict.fromkeys(keys, in_specs)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs))
 
@@ -458,7 +497,7 @@ def test_fsdp_of_a_leaf_split_over_a_model_axis():
         "bias": rng.standard_normal((2, 8)).astype(np.float32),
     }
     outs = fsdp_and_model_update()(tree)
-    for mode in EXCHANGES:
+    for mode in TWO_EXCHANGES:
         got, want = outs[mode, "fsdp"], outs[mode, "model"]
         np.testing.assert_array_equal(got["rows"], want["rows"], err_msg=mode)
         for leaf in ("cols", "bias"):
@@ -472,7 +511,7 @@ def test_fsdp_of_a_leaf_split_over_a_model_axis():
 FSDP_WIRE_SHAPES = [(1000, 1000), (200, 1000), (1000,), (64, 3, 3, 32)]  # 1.2M parameters
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [8])  # the same program shape at 4
 def test_fsdp_wire_is_a_reduce_scatter_of_the_packed_codes(n):
     """Each device sends (N - 1)/N of the packed codes (ceil(size / N / 5) bytes per leaf
     shard) in one all-to-all, nothing gathered back; at N = 8 on 1.2M parameters, 210 KB:

@@ -34,6 +34,12 @@ def _vectors(n, size=37, seed=0):
     return [base * rng.uniform(1.0, 2.0, size) for _ in range(n)]
 
 
+# Compiled once per shape: the eager op-by-op dispatch of the same code compiled each
+# primitive anew and took most of this file's time.
+_pair = jax.jit(gradcomm.adasum_pair)
+_reduce = jax.jit(jax.vmap(lambda x: gradcomm.adasum_reduce(x, "d"), axis_name="d"))
+
+
 def _relative_error(got, want):
     return float(np.max(np.abs(np.float64(got) - want)) / np.max(np.abs(want)))
 
@@ -43,7 +49,7 @@ def test_pair_at_the_limits(scale):
     s = SCALES[scale]
     a, b = (np.float32(v * s) for v in _vectors(2))
     want = reference.adasum_pair(np.float64(a), np.float64(b))
-    got = gradcomm.adasum_pair(jnp.asarray(a), jnp.asarray(b))
+    got = _pair(jnp.asarray(a), jnp.asarray(b))
     assert np.all(np.abs(want) >= F32.tiny)  # the result is normal: it must not flush
     assert _relative_error(got, want) <= 100 * EPS
 
@@ -53,7 +59,7 @@ def test_two_times_t_and_t(scale):
     # AS(2t, t) = 2t (1 - 1/4) + t (1 - 1) = 1.5 t: the correction term of 2t is t/2,
     # below the normal range when t is the minimum normal.
     t = np.float32(SCALES[scale])
-    got = gradcomm.adasum_pair(jnp.float32(2 * t), jnp.float32(t))
+    got = _pair(jnp.float32(2 * t), jnp.float32(t))
     assert float(got) == pytest.approx(1.5 * float(t), rel=100 * EPS)
 
 
@@ -63,7 +69,7 @@ def test_reduce_at_the_limits(n, scale):
     s = SCALES[scale]
     values = [np.float32(v * s) for v in _vectors(n, seed=n)]
     want = reference.adasum([np.float64(v) for v in values])
-    got = jax.vmap(lambda x: gradcomm.adasum_reduce(x, "d"), axis_name="d")(jnp.stack(values))
+    got = _reduce(jnp.stack(values))
     assert np.all(np.abs(want) >= F32.tiny)
     for row in np.asarray(got):
         assert _relative_error(row, want) <= 100 * EPS
@@ -75,7 +81,7 @@ def test_unequal_magnitudes_stay_finite():
     a, b = (np.float32(v) for v in _vectors(2))
     b = np.float32(b * 2.0**-120)
     want = reference.adasum_pair(np.float64(a), np.float64(b))
-    got = gradcomm.adasum_pair(jnp.asarray(a), jnp.asarray(b))
+    got = _pair(jnp.asarray(a), jnp.asarray(b))
     assert _relative_error(got, want) <= 100 * EPS
 
 
@@ -94,12 +100,12 @@ def test_gossip_keeps_float64(overlap):
             delta, state = tx.update(jnp.zeros_like(p), state, p)
             return p + delta, state
 
-        state = jax.vmap(tx.init, axis_name="d")(params)
+        state = jax.jit(jax.vmap(tx.init, axis_name="d"))(params)
         assert state.weight.dtype == jnp.float64
         assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(state.in_flight))
-        p = params
+        p, mapped = params, jax.jit(jax.vmap(step, axis_name="d"))  # one compilation
         for _ in range(3):
-            p, state = jax.vmap(step, axis_name="d")(p, state)
+            p, state = mapped(p, state)
         assert p.dtype == jnp.float64
         assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(state.in_flight_weight))
         assert len(jax.tree.leaves(state)) == (4 if overlap else 2)  # no in-flight arrays at 0
