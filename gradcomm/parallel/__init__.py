@@ -237,7 +237,7 @@ class TrainStep:
             return None
         return TrainState(shapes, state.sync) if self._sync else shapes
 
-    def _jitted(self, params: Any, state: Any, args: tuple[Any, ...]) -> Any:
+    def _jitted(self, params: Any, state: Any, args: Callable[[], tuple[Any, ...]]) -> Any:
         if isinstance(state, TrainState) != bool(self._sync):
             raise ValueError(
                 "a step built with sync takes the TrainState of init_state(..., sync=sync)"
@@ -292,7 +292,7 @@ class TrainStep:
 
             probe = None
             if spans_processes(self._mesh):  # a link: time the step's swaps both ways
-                probe = probe_step(lambda kind: jax.jit(mapped(kind)).lower(*args), args)
+                probe = probe_step(lambda kind: jax.jit(mapped(kind)).lower(*args()), args())
                 self.probe = probe or self.probe
             self._compiled[key] = jax.jit(
                 mapped(probe and probe.exchange), donate_argnums=(0, 1) if self._donate else ()
@@ -315,13 +315,25 @@ class TrainStep:
             place_batch(batch, self._batch_sharding, self._num_shards),
         )
 
+    def _placed(self, params: Any, state: Any, batch: Any) -> Callable[[], tuple[Any, ...]]:
+        """The inputs placed on the mesh, once, when first asked for: after `_jitted` has
+        checked the state, whose errors say more than the params' would."""
+        placed: list[tuple[Any, ...]] = []
+
+        def args() -> tuple[Any, ...]:
+            if not placed:
+                placed.append(self._place(params, state, batch))
+            return placed[0]
+
+        return args
+
     def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict]:
-        args = self._place(params, state, batch)
-        return self._jitted(params, state, args)(*args)
+        args = self._placed(params, state, batch)
+        return self._jitted(params, state, args)(*args())
 
     def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        args = self._place(params, state, batch)
-        return self._jitted(params, state, args).lower(*args)
+        args = self._placed(params, state, batch)
+        return self._jitted(params, state, args).lower(*args())
 
 
 def train_step(
