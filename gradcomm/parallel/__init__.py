@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -315,24 +316,13 @@ class TrainStep:
             place_batch(batch, self._batch_sharding, self._num_shards),
         )
 
-    def _placed(self, params: Any, state: Any, batch: Any) -> Callable[[], tuple[Any, ...]]:
-        """The inputs placed on the mesh, once, when first asked for: after `_jitted` has
-        checked the state, whose errors say more than the params' would."""
-        placed: list[tuple[Any, ...]] = []
-
-        def args() -> tuple[Any, ...]:
-            if not placed:
-                placed.append(self._place(params, state, batch))
-            return placed[0]
-
-        return args
-
     def __call__(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any, dict]:
-        args = self._placed(params, state, batch)
+        # Placed once, when first needed: after `_jitted` checks the state (its errors say more).
+        args = functools.cache(lambda: self._place(params, state, batch))
         return self._jitted(params, state, args)(*args())
 
     def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        args = self._placed(params, state, batch)
+        args = functools.cache(lambda: self._place(params, state, batch))
         return self._jitted(params, state, args).lower(*args())
 
 
