@@ -61,6 +61,7 @@ def diloco(
     axis_name: _axes.AxisName = "data",
     outer: optax.GradientTransformation | None = None,
     every: int = 500,
+    eager: bool = False,
 ) -> ParamsSync:
     """DiLoCo's outer step (Douillard et al. 2023, Algorithm 1), as a `ParamsSync`.
 
@@ -89,6 +90,10 @@ def diloco(
         whole-tensor statistics (a global norm) would need them reduced over the model
         axes, which is not done (see the module docstring).
       every: H >= 1, the inner steps between outer steps (the paper's H = 500).
+      eager: Kale et al.'s eager updates: the exchange overlaps the whole next period and
+        each device's outer step uses its own outer gradient now with the others' from
+        the last period; `gradcomm.streaming_diloco(axis_name, outer, every,
+        fragments=1, outer_dtype="float32", eager=True)`, whose state it returns.
 
     Returns:
       A `ParamsSync` whose state is a `DilocoState` (replicated: the anchor, the outer
@@ -126,8 +131,15 @@ def diloco(
       Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam and Shen,
       "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv
       2311.08105 (2023), Algorithm 1 (outer Nesterov momentum, learning rate 0.7,
-      momentum 0.9; H = 500).
+      momentum 0.9; H = 500). Kale, Douillard and Donchev, "Eager Updates For
+      Overlapped Communication and Computation in DiLoCo", arXiv 2502.12996 (2025).
     """
+    if eager is True:
+        from gradcomm.streaming_diloco import streaming_diloco  # it builds on this module
+
+        return streaming_diloco(axis_name, outer, every, 1, outer_dtype="float32", eager=True)
+    if eager is not False:
+        raise ValueError(f"eager must be True or False, got {eager!r}")
     _axes.check_axis_name(axis_name)
     _checks.check_int(every, "every", minimum=1)
     if outer is None:

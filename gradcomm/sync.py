@@ -35,11 +35,13 @@ class ParamsSync(NamedTuple):
     """A rule applied to the params after each optimizer step (see the module docstring).
 
     Attributes:
-      init: `init(params) -> state`, from one device's params; the state is the same on
-        every device (it is kept replicated).
+      init: `init(params) -> state`, from one device's params; the state starts the
+        same on every device.
       update: `update(params, state) -> (params, state)`, inside the map over the data
-        axes. The params it returns are the same bits on every device whenever it
-        changes them; the state stays the same on every device.
+        axes. The averaging rules return params that are the same bits on every device
+        whenever they change them (Streaming DiLoCo's delayed mix and eager updates do
+        not: each device keeps its own share). State leaves that it makes differ between
+        devices are kept per device by `parallel.train_step`, the rest replicated.
     """
 
     init: Callable[[Any], Any]

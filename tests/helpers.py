@@ -42,6 +42,34 @@ def per_device(fn, n: int, *trees, axis: str = "data"):
     return jax.tree.map(np.asarray, _compiled(fn, n, axis)(*placed))
 
 
+def _varying(aval):
+    manual = getattr(aval, "manual_axis_type", None)  # as gradcomm._axes.varying_axes reads it
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _typed_like(x, aval):
+    """`x` typed varying over the axes `aval` varies over (a scan's carry keeps its type)."""
+    missing = tuple(sorted(_varying(aval) - _varying(jax.typeof(x))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def scan_steps(step, carry, xs):
+    """`lax.scan(step, carry, xs)`, its body compiled once instead of once per step (as a
+    Python loop would), after typing `carry` as `step` returns it: an update may make
+    state that starts replicated vary over the mesh's axes (a scan wants its carry's type
+    unchanged), and a `pcast` changes no value. Returns `(carry, ys)`, as `lax.scan` does."""
+    first = jax.tree.map(lambda x: x[0], xs)
+    leaves, treedef = jax.tree.flatten(carry)
+    for _ in range(3):  # until the types stop changing (an update or two)
+        avals = jax.make_jaxpr(lambda c: jax.tree.leaves(step(c, first)[0]))(carry).out_avals
+        typed = [_typed_like(x, a) for x, a in zip(leaves, avals, strict=True)]
+        if all(t is x for t, x in zip(typed, leaves, strict=True)):
+            break
+        leaves = typed
+        carry = jax.tree.unflatten(treedef, leaves)
+    return jax.lax.scan(step, carry, xs)
+
+
 # A 1.2M-parameter pytree of mixed leaves (a scalar, odd sizes, a conv kernel) for wire tests.
 MODEL_SHAPES = [(1000, 1000), (1000,), (200, 1000), (7,), (3, 3, 16, 32), ()]
 
@@ -73,18 +101,19 @@ def model_bytes(shapes=MODEL_SHAPES):
 def run_steps(tx, steps):
     """A per-device function running `steps` updates of `tx` on updates shaped (steps, ...).
 
-    Returns the stacked outputs and the stacked `state.residual` of every step.
+    Returns the stacked outputs and the stacked `state.residual` of every step (a
+    `lax.scan` over the steps).
     """
 
     def f(updates):
+        assert len(jax.tree.leaves(updates)[0]) == steps
         state = tx.init(jax.tree.map(lambda u: u[0], updates))
-        outs, residuals = [], []
-        for t in range(steps):
-            out, state = tx.update(jax.tree.map(lambda u, t=t: u[t], updates), state)
-            outs.append(out)
-            residuals.append(state.residual)
-        stack = lambda xs: jax.tree.map(lambda *v: jax.numpy.stack(v), *xs)  # noqa: E731
-        return stack(outs), stack(residuals)
+
+        def step(state, u):
+            out, state = tx.update(u, state)
+            return state, (out, state.residual)
+
+        return scan_steps(step, state, updates)[1]
 
     return f
 
@@ -172,18 +201,20 @@ def explicit_mesh(shape, names):
 
 def run_on_mesh(tx, grads, mesh, specs, check_vma=True):
     """Per device, the outputs of `tx.update` on grads `(steps, data, *leaf)`, stacked
-    `(steps, data, *leaf)`, each leaf split over the mesh by its spec (beyond 'data')."""
-    steps = len(next(iter(grads.values())))
+    `(steps, data, *leaf)`, each leaf split over the mesh by its spec (beyond 'data'). The
+    steps run in one `lax.scan` (`scan_steps`)."""
     in_specs = {k: P(None, "data", *specs[k]) for k in grads}
 
     def body(g):
         g = jax.tree.map(lambda x: x[:, 0], g)
         params = jax.tree.map(lambda x: x[0] * 0, g)  # typed like the grads
-        state, outs = tx.init(params), []
-        for t in range(steps):
-            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
-            outs.append(out)
-        return jax.tree.map(lambda *xs: jnp.stack(xs)[:, None], *outs)
+
+        def step(state, gt):
+            out, state = tx.update(gt, state, params)
+            return state, out
+
+        outs = scan_steps(step, tx.init(params), g)[1]
+        return jax.tree.map(lambda x: x[:, None], outs)
 
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs, check_vma=check_vma
@@ -221,20 +252,19 @@ def run_fsdp(tx, grads, split, n):
     Returns the outputs `(steps, n, *out)` and each step's residuals flat, `(steps, n,
     size)`: an FSDP leaf's shard, and its whole-sized residual (this device's).
     """
-    steps = len(next(iter(grads.values())))
     mesh = explicit_mesh((n,), ("data",))
     spec = {k: P(None, "data") for k in grads}
 
     def body(g):
         g = jax.tree.map(lambda x: x[:, 0], g)
         params = {k: (x[0, : x.shape[1] // n] if split[k] else x[0]) * 0 for k, x in g.items()}
-        state, outs, residuals = tx.init(params), [], []
-        for t in range(steps):
-            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
-            outs.append(out)
-            residuals.append(jax.tree.map(lambda r: r.reshape(-1), state.residual))
-        stack = lambda *xs: jnp.stack(xs)[:, None]  # noqa: E731
-        return jax.tree.map(stack, *outs), jax.tree.map(stack, *residuals)
+
+        def step(state, gt):
+            out, state = tx.update(gt, state, params)
+            return state, (out, jax.tree.map(lambda r: r.reshape(-1), state.residual))
+
+        outs = scan_steps(step, tx.init(params), g)[1]
+        return jax.tree.map(lambda x: x[:, None], outs)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(spec, spec)))
     placed = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in grads.items()}
@@ -314,20 +344,25 @@ def assert_shards_match(got, want, dtype, n):
 
 
 def hand_written_sync_loop(tx, sync, loss_fn, params, batch, mesh, steps):
-    """`steps` steps of a hand-written `shard_map` loop over per-device `params`, with the
-    one line a `ParamsSync` asks for after `apply_updates`; the per-device params."""
+    """`steps` steps of a hand-written `shard_map` loop (a `lax.scan`) over per-device
+    `params`, with the one line a `ParamsSync` asks for after `apply_updates`; the
+    per-device params."""
     import optax
 
     spec = P("data")
 
     def loop(p, batch):
         p = jax.tree.map(lambda x: x[0], p)
-        opt_state, sync_state = tx.init(p), sync.init(p)
-        for _ in range(steps):
+
+        def step(carry, _):
+            p, opt_state, sync_state = carry
             grads = jax.grad(loss_fn)(p, batch)
             updates, opt_state = tx.update(grads, opt_state, p)
             p = optax.apply_updates(p, updates)
             p, sync_state = sync.update(p, sync_state)  # the one line
+            return (p, opt_state, sync_state), None
+
+        (p, _, _), _ = scan_steps(step, (p, tx.init(p), sync.init(p)), jnp.arange(steps))
         return jax.tree.map(lambda x: x[None], p)
 
     fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=spec))

@@ -3,10 +3,11 @@
 import jax
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
-from gradcomm import _collectives, parallel
+from gradcomm import _axes, _collectives, parallel
 
 
 def case_inputs(n: int) -> dict[str, np.ndarray]:
@@ -45,11 +46,17 @@ def pairwise_of_case() -> tuple[np.ndarray, str]:
         results = [gradcomm.adasum_reduce(local, axes)]
         for overlap in (0, 1):
             tx = gradcomm.sgp(axes, overlap=overlap)
-            params, state = local, tx.init(local)
-            for _ in range(3):  # every phase of the exponential graph at N = 8
+
+            def sgp_step(carry, _, tx=tx):
+                params, state = carry
                 grads = jax.tree.map(lambda p: 0.01 * p, params)
                 delta, state = tx.update(grads, state, params)
-                params = jax.tree.map(jax.numpy.add, params, delta)
+                return (jax.tree.map(jax.numpy.add, params, delta), state), None
+
+            # Every phase of the exponential graph at N = 8: three steps, one compiled body
+            # (the carry typed as varying, as the state becomes after a step).
+            carry = jax.tree.map(lambda x: _axes.vary(x, axes), (local, tx.init(local)))
+            (params, _), _ = lax.scan(sgp_step, carry, length=3)
             gathered = jax.tree.map(lambda p: _collectives.all_gather_invariant(p, axes), params)
             results.append(gathered)
         return results
@@ -63,8 +70,16 @@ def pairwise_of_case() -> tuple[np.ndarray, str]:
 def probe_of_case() -> tuple[str, bool]:
     """The exchange that an Adasum `parallel.train_step` chose on its first call (it times
     its step both ways across processes, `TrainStep.probe`), and whether its compiled
-    program then swaps pairwise (two-member reduce-scatters)."""
-    mesh = parallel.make_mesh()
+    program then swaps pairwise (two-member reduce-scatters).
+
+    The mesh has one device of each process, so its one swap crosses the link: the probe
+    is the same at any N, and a step of Adasum over N = 2 compiles in a fraction of the
+    time of N = 8's (three compilations here), whose swaps `adasum_of_case` runs.
+    """
+    devices = [
+        next(d for d in jax.devices() if d.process_index == i) for i in range(jax.process_count())
+    ]
+    mesh = parallel.make_mesh(devices=devices)
     tx = optax.chain(optax.sgd(0.1), gradcomm.adasum("data"))
     params = parallel.replicate({"w": np.zeros(5, np.float32)}, mesh)
     state = parallel.init_state(tx, params, mesh)

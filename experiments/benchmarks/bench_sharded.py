@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from gradcomm_experiments import cli, provenance
 
 # name -> (factory(specs), rows): the tables it has a row in. Every method has a
-# tensor-parallel row; the methods with a reduce-scatter have FSDP rows.
+# tensor-parallel row; the methods with a reduce-scatter have FSDP rows. A "<name>
+# per_shard" method is <name> on FSDP shards, and <name> itself unsharded.
 METHODS: dict[str, tuple[Callable[[Any], Any], tuple[str, ...]]] = {}
 BOTH, TP = ("tp", "fsdp"), ("tp",)
 
@@ -135,9 +136,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     one = parallel.make_mesh({"data": args.data}, devices=devices[: args.data])
     whole_specs = {k: P() for k in shapes}
-    tp, fsdp = [], []
+    tp, fsdp, wholes = [], [], {}
     for name, (make, rows) in cli.progress(METHODS.items(), desc="method", quiet=args.quiet):
-        whole = wire_of(make(None), one, whole_specs, shapes)
+        base = name.removesuffix(" per_shard")  # measured unsharded once
+        if base not in wholes:
+            wholes[base] = wire_of(make(None), one, whole_specs, shapes)
+        whole = wholes[base]
         if "tp" in rows:
             tp.append(row(name, wire_of(make(TP_SPECS), two, TP_SPECS, shapes), whole))
         if "fsdp" not in rows:

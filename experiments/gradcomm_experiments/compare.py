@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,9 +109,16 @@ def run_methods(
     mesh = parallel.make_mesh(devices=devices)
     main = runtime.is_main_process()
     results, run_seeds = [], []
+    # Each method built once (for a number of steps) and its jitted step kept: every seed's
+    # run of it reuses the compiled step (each seed's task trains the same model, and so
+    # takes the first seed's loss function), and so does its interleaved timing.
+    built_methods: dict[tuple[str, int], registry.Method] = {}
+    loss_fn = None
     for seed in seeds:
         data = datasets.load_dataset(args.dataset, args.data_dir, seed)
         task = tasks.classification_task(tasks.small_cnn(data.num_classes), data)
+        loss_fn = loss_fn or task.loss_fn
+        task = dataclasses.replace(task, loss_fn=loss_fn)
         if main and seed == seeds[0]:
             print(
                 f"gradcomm {gradcomm.__version__}: {runtime.describe(devices)}; "
@@ -119,9 +127,9 @@ def run_methods(
             )
         steps = args.epochs * len(task.batches(len(devices) * args.batch_size, seed, 0))
         for method in names:
-            inner = registry.optimizer(args.optimizer, args.lr, steps, args.schedule)
-            spec = configured(method, args)
-            built = registry.build(spec, inner)
+            if (method, steps) not in built_methods:
+                built_methods[method, steps] = build(method, args, steps)
+            built = built_methods[method, steps]
             result = loop.train_as_flagged(args, built, task, mesh, seed=seed)
             results.append(result)
             run_seeds.append(seed)
@@ -132,7 +140,8 @@ def run_methods(
                 )
     timing, timed = "", {}
     if getattr(args, "timing_rounds", 0) > 0:
-        timing, timed = interleaved_step_times(args, names, task, mesh, seeds[-1], steps, results)
+        timers = [built_methods[method, steps] for method in names]
+        timing, timed = interleaved_step_times(args, timers, task, mesh, seeds[-1], results)
     if main:
         summary = report.summarize(results)
         means = [(s["bytes_per_step"], s["test_accuracy"]["mean"]) for s in summary]
@@ -182,13 +191,20 @@ def run_methods(
     return results
 
 
+def build(method: str, args: argparse.Namespace, steps: int) -> registry.Method:
+    """The registry's `method` as configured by the flags, with the inner optimizer of
+    `--optimizer`, `--lr` and `--schedule` over `steps`; it keeps its jitted train steps
+    for another run (`Method.compiled`)."""
+    inner = registry.optimizer(args.optimizer, args.lr, steps, args.schedule)
+    return dataclasses.replace(registry.build(configured(method, args), inner), compiled={})
+
+
 def interleaved_step_times(
     args: argparse.Namespace,
-    names: Sequence[str],
+    methods: Sequence[registry.Method],
     task: tasks.Task,
     mesh: jax.sharding.Mesh,
     seed: int,
-    steps: int,
     results: list[loop.RunResult],
 ) -> tuple[str, dict[str, Any]]:
     """Replaces every run's `step_seconds` by its method's median of interleaved rounds.
@@ -196,16 +212,15 @@ def interleaved_step_times(
     Each method starts afresh (`seed`'s model; `task` holds that seed's data) and runs
     `--timing-steps` steps per round, in `--timing-rounds` rounds of alternating method
     order (`timing.interleaved_medians`); its step time is the median over rounds of each
-    round's median step, the same for every seed's run. Returns the sentence the table
-    gets, and the record the study's JSON gets: `step_timing`, each method's rounds and
-    each run's training-loop median.
+    round's median step, the same for every seed's run. The methods are the ones that
+    trained, so each times the compiled step of its training runs. Returns the sentence the
+    table gets, and the record the study's JSON gets: `step_timing`, each method's rounds
+    and each run's training-loop median.
     """
     timers = {}
-    for method in names:
-        inner = registry.optimizer(args.optimizer, args.lr, steps, args.schedule)
-        built = registry.build(configured(method, args), inner)
-        timers[method] = loop.step_timer(
-            built, task, mesh, seed=seed, batch_per_device=args.batch_size,
+    for method in methods:
+        timers[method.name] = loop.step_timer(
+            method, task, mesh, seed=seed, batch_per_device=args.batch_size,
             steps=args.timing_steps,
         )  # fmt: skip
     rounds = timing.interleaved_medians(timers, args.timing_rounds)

@@ -182,14 +182,16 @@ def step_timer(
 ) -> Callable[[], float]:
     """A function that runs `steps` training steps and returns their median seconds.
 
-    The method starts afresh from `task.init` with `seed` (its step compiled and run once
-    here, untimed); each call goes on from where the last one stopped, over the batches
-    of epoch 0 in turn, and blocks on every step as `train` does, whose step times it
-    measures the same way. Interleave several methods' timers with
+    The method starts afresh from `task.init` with `seed` (its step compiled, unless the
+    method kept the one `train` ran (`Method.compiled`), and run once here, untimed); each
+    call goes on from where the last one stopped, over the batches of epoch 0 in turn,
+    with the inputs donated and blocking on every step as `train` does, whose step times
+    it measures the same way. Interleave several methods' timers with
     `timing.interleaved_medians`.
     """
     global_batch = parallel.num_shards(mesh) * batch_per_device
-    params, state, step = method.start(task.loss_fn, mesh, task.init(jax.random.key(seed)))
+    host = task.init(jax.random.key(seed))
+    params, state, step = method.start(task.loss_fn, mesh, host, donate=True)
     batches = task.batches(global_batch, seed, 0)
     held = {"params": params, "state": state, "count": 0}
 

@@ -3,6 +3,7 @@
 
     python experiments/studies/lags_sparsity.py                     # 8 simulated devices
     python experiments/studies/lags_sparsity.py --densities 0.01 --epochs 5
+    python experiments/studies/lags_sparsity.py --runs lags,plan      # no dense, no SLGS
 
 The claims (Shi et al., ECAI 2020, Fig. 2 and Table 1): delta(l) (eq. 20), the ratio of
 the error of the devices' summed top-k to the expected error of a random-k of the sum,
@@ -26,11 +27,20 @@ import gradcomm
 from gradcomm import parallel
 from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
 
+# The study's runs, as --runs names them: SLGS and LAGS run at each of --densities.
+RUNS = ("dense", "slgs", "lags", "plan")
+
 
 def main(argv: list[str] | None = None) -> None:
     stamp = provenance.start(argv)
     parser = cli.make_parser(__doc__)
     parser.add_argument("--densities", default="0.001,0.01", help="k/d, comma-separated")
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help="comma-separated: dense SGD, SLGS and LAGS at each density, LAGS with the eq. 18 "
+        "plan's densities",
+    )
     parser.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (constant)")
     runtime.add_schedule_args(parser, epochs=20, batch_size=16, probe_every=5)
     parser.add_argument("--latency", type=float, default=50e-6, help="seconds per message")
@@ -38,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime.add_common_args(parser)
     args = runtime.parse_args(parser, argv, check_densities)
     densities = cli.comma_list(args.densities, float, "--densities")
+    chosen = cli.comma_list(args.runs, str, "--runs")
 
     devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
@@ -62,17 +73,17 @@ def main(argv: list[str] | None = None) -> None:
         run = loop.on_devices(mesh, deltas)
         return lambda p, s, b: {"delta": _named(run(p, b, s[1].residual))}
 
-    runs = [("dense", optax.chain(gradcomm.allreduce("data"), optax.sgd(args.lr)), None)]
+    sgd = optax.sgd(args.lr)
+    runs = []
+    if "dense" in chosen:
+        runs.append(("dense", optax.chain(gradcomm.allreduce("data"), sgd), None))
     for d in densities:
-        runs.append(
-            (f"slgs {d}", optax.chain(optax.sgd(args.lr), gradcomm.slgs("data", density=d)), None)
-        )
-        runs.append(
-            (f"lags {d}", optax.chain(optax.sgd(args.lr), gradcomm.lags("data", density=d)), d)
-        )
-    runs.append(
-        ("lags plan", optax.chain(optax.sgd(args.lr), gradcomm.lags("data", density=plan)), plan)
-    )
+        if "slgs" in chosen:
+            runs.append((f"slgs {d}", optax.chain(sgd, gradcomm.slgs("data", density=d)), None))
+        if "lags" in chosen:
+            runs.append((f"lags {d}", optax.chain(sgd, gradcomm.lags("data", density=d)), d))
+    if "plan" in chosen:
+        runs.append(("lags plan", optax.chain(sgd, gradcomm.lags("data", density=plan)), plan))
 
     results = []
     for name, tx, density in runs:
@@ -121,10 +132,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def check_densities(args: argparse.Namespace) -> None:
-    """Every density of `--densities` is in (0, 1]."""
+    """Every density of `--densities` is in (0, 1]; `--runs` names runs of `RUNS`."""
     densities = cli.comma_list(args.densities, float, "--densities")
     if not all(0 < d <= 1 for d in densities):
         raise ValueError(f"--densities {args.densities}: every k/d must be in (0, 1]")
+    unknown = [r for r in cli.comma_list(args.runs, str, "--runs") if r not in RUNS]
+    if unknown:
+        raise ValueError(f"--runs: unknown {', '.join(unknown)}; choose from {', '.join(RUNS)}")
 
 
 def run_style(name: str) -> dict[str, object]:

@@ -3,6 +3,7 @@
 
     python experiments/studies/sgp_gossip.py                        # 8 simulated devices
     python experiments/studies/sgp_gossip.py --devices 16 --epochs 10
+    python experiments/studies/sgp_gossip.py --runs sgp,1-osgp --seeds 0   # two of the runs
 
 The claims (Assran et al., ICML 2019, Tables 3-4, Fig. 2): SGP trains about as well as an
 all-reduce while each device sends one message per step; 1-overlap SGP (1-OSGP) keeps
@@ -16,6 +17,8 @@ sgp_gossip.{json,png,md} to --out.
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import optax
 from jax import lax
@@ -23,6 +26,9 @@ from jax import lax
 import gradcomm
 from gradcomm import parallel
 from gradcomm_experiments import cli, loop, methods, provenance, report, runtime, tasks
+
+# The study's runs besides the all-reduce (its baseline, always run), as --runs names them.
+RUNS = ("sgp", "sgp-2peer", "d-psgd", "1-osgp", "biased-1-osgp", "hybrid")
 
 
 def schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
@@ -42,9 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     stamp = provenance.start(argv)
     parser = cli.make_parser(__doc__)
     parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
+    parser.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        help="comma-separated runs besides the all-reduce (always run, the baseline); the "
+        "hybrid all-reduces for the first quarter of training, then gossips with SGP",
+    )
     runtime.add_schedule_args(parser, epochs=30, batch_size=16, probe_every=5, seeds=True)
     runtime.add_common_args(parser)
-    args = runtime.parse_args(parser, argv)
+    args = runtime.parse_args(parser, argv, check_runs)
 
     devices = runtime.setup(args)
     mesh = parallel.make_mesh(devices=devices)
@@ -63,15 +75,18 @@ def main(argv: list[str] | None = None) -> None:
     def gossip(name: str, **kwargs: object) -> methods.Method:
         return methods.Method(name, optax.chain(inner(), gradcomm.sgp("data", **kwargs)), True)
 
+    every = {
+        "sgp": gossip("sgp"),
+        "sgp-2peer": gossip("sgp 2-peer", topology="exponential-2peer"),
+        "d-psgd": methods.Method("d-psgd", optax.chain(inner(), gradcomm.dpsgd("data")), True),
+        "1-osgp": gossip("1-osgp", overlap=1),
+        "biased-1-osgp": gossip("biased 1-osgp", overlap=1, biased=True),
+        # Bytes per step are those after the switch, when it gossips (wire's average).
+        "hybrid": gossip(f"allreduce {hybrid_steps} steps, then sgp", allreduce_steps=hybrid_steps),
+    }
     runs = [
         methods.Method("allreduce", optax.chain(gradcomm.allreduce("data"), inner())),
-        gossip("sgp"),
-        gossip("sgp 2-peer", topology="exponential-2peer"),
-        methods.Method("d-psgd", optax.chain(inner(), gradcomm.dpsgd("data")), True),
-        gossip("1-osgp", overlap=1),
-        gossip("biased 1-osgp", overlap=1, biased=True),
-        # Bytes per step are those after the switch, when it gossips (wire's average).
-        gossip(f"allreduce {hybrid_steps} steps, then sgp", allreduce_steps=hybrid_steps),
+        *(every[name] for name in cli.comma_list(args.runs, str, "--runs")),
     ]
     deviation = loop.on_devices(
         mesh,
@@ -108,6 +123,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.epochs} epochs",
         )
         print(f"\n{table}\n\nwrote {path}")
+
+
+def check_runs(args: argparse.Namespace) -> None:
+    """`--runs` names runs of `RUNS`."""
+    unknown = [r for r in cli.comma_list(args.runs, str, "--runs") if r not in RUNS]
+    if unknown:
+        raise ValueError(f"--runs: unknown {', '.join(unknown)}; choose from {', '.join(RUNS)}")
 
 
 def _table(names: list[str], results: list, num_seeds: int, last_quarter: int) -> str:

@@ -3,13 +3,15 @@
 
     python experiments/studies/terngrad_workers.py               # N = 1..16, 16 simulated devices
     python experiments/studies/terngrad_workers.py --sizes 1,4 --epochs 5
+    python experiments/studies/terngrad_workers.py --optimizers momentum --variants terngrad
 
 The claims (Wen et al., NeurIPS 2017, Fig. 3 and Tables 1-2): ternary gradients with
 layer-wise scalars, scalar sharing and clipping at 2.5 standard deviations reach about the
 float accuracy, with momentum SGD and with vanilla SGD, as the workers grow; without
 clipping accuracy drops. Every layer is ternarized here (the paper's small networks).
 The last panel is Fig. 2: one layer's gradient on one device before clipping, after it,
-ternarized, and averaged over the devices. Writes terngrad_workers.{json,png,md}.
+ternarized, and averaged over the devices, after --histogram-epochs of float momentum
+SGD. Writes terngrad_workers.{json,png,md}.
 """
 
 from __future__ import annotations
@@ -45,9 +47,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--total-batch", type=int, default=128, help="examples per step, all devices"
     )
+    parser.add_argument(
+        "--optimizers", default=",".join(OPTIMIZERS), help="momentum and/or sgd (vanilla)"
+    )
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument(
+        "--histogram-epochs",
+        type=int,
+        default=2,
+        help="epochs of float momentum SGD before Fig. 2's snapshot (0: the initial model)",
+    )
     runtime.add_schedule_args(parser, epochs=20)
     runtime.add_common_args(parser)
-    args = runtime.parse_args(parser, argv, check_sizes)
+    args = runtime.parse_args(parser, argv, check_sizes, check_choices)
+    optimizers = cli.comma_list(args.optimizers, str, "--optimizers")
+    variants = cli.comma_list(args.variants, str, "--variants")
     sizes, devices = runtime.setup_sizes(args)
     task = tasks.cnn_task(args)
     main_process = runtime.is_main_process()
@@ -55,9 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     results, rows = [], []
     for n in sizes:
         mesh = parallel.make_mesh(devices=devices[:n])
-        for opt_name, lr in OPTIMIZERS.items():
-            opt = optax.sgd(lr, momentum=0.9 if opt_name == "momentum" else None)
-            for variant in VARIANTS:
+        for opt_name in optimizers:
+            opt = optax.sgd(OPTIMIZERS[opt_name], momentum=0.9 if opt_name == "momentum" else None)
+            for variant in variants:
                 tx = transformation(variant, opt)
                 method = methods.Method(f"{variant} {opt_name} N={n}", tx)
                 result = loop.train_as_flagged(
@@ -72,11 +86,12 @@ def main(argv: list[str] | None = None) -> None:
 
     histogram = layer_histogram(task, devices[: max(sizes)], args)
     if main_process:
-        head = " | ".join(f"{o} {v}" for o in OPTIMIZERS for v in VARIANTS)
-        table = [f"| N | per device | {head} |", "| ---: | ---: |" + " ---: |" * 6]
+        columns = [(o, v) for o in optimizers for v in variants]
+        head = " | ".join(f"{o} {v}" for o, v in columns)
+        table = [f"| N | per device | {head} |", "| ---: | ---: |" + " ---: |" * len(columns)]
         for n in sizes:
             acc = {(o, v): a for m, o, v, a in rows if m == n}
-            cells = " | ".join(f"{100 * acc[o, v]:.2f}%" for o in OPTIMIZERS for v in VARIANTS)
+            cells = " | ".join(f"{100 * acc[column]:.2f}%" for column in columns)
             table.append(f"| {n} | {args.total_batch // n} | {cells} |")
         table = "\n".join(table)
         path = report.write_study(
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             vars(args),
             results,
             table,
-            lambda fig: plot(fig, sizes, rows, histogram),
+            lambda fig: plot(fig, sizes, rows, histogram, optimizers, variants),
             extra={"histogram": histogram},
             provenance=stamp.record(devices, seeds=[args.seed]),
             title=f"TernGrad against float: {task.name}, a total batch of {args.total_batch} "
@@ -101,6 +116,18 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise ValueError(f"--total-batch {args.total_batch} must divide by every N in {sizes}")
 
 
+def check_choices(args: argparse.Namespace) -> None:
+    """`--optimizers` and `--variants` name known ones; `--histogram-epochs` is not negative."""
+    for flag, known in (("optimizers", OPTIMIZERS), ("variants", VARIANTS)):
+        unknown = set(cli.comma_list(getattr(args, flag), str, f"--{flag}")) - set(known)
+        if unknown:
+            raise ValueError(
+                f"--{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}"
+            )
+    if args.histogram_epochs < 0:
+        raise ValueError(f"--histogram-epochs {args.histogram_epochs}: must be 0 or more")
+
+
 # Each variant drawn as the registry's method it is.
 STYLES = {
     "float": ("allreduce", 0),
@@ -112,7 +139,9 @@ STYLES = {
 def layer_histogram(task: tasks.Task, devices: list, args: argparse.Namespace) -> dict:
     """Fig. 2: one layer's gradient on device 0 before and after clipping, ternarized, averaged.
 
-    Taken after two epochs of float training with momentum SGD, on all the devices.
+    Taken after `--histogram-epochs` of float training with momentum SGD on all the
+    devices (an epoch more runs: the snapshot is taken before a step), or of the initial
+    model (0: no training).
     """
     n = len(devices)
     mesh = parallel.make_mesh(devices=devices)
@@ -134,33 +163,46 @@ def layer_histogram(task: tasks.Task, devices: list, args: argparse.Namespace) -
         }
 
     snapshot = loop.on_devices(mesh, views)
-    epoch = len(task.batches(args.total_batch, args.seed, 0))
-    run = loop.train(
-        methods.Method("float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))),
-        task,
-        mesh,
-        epochs=3,
-        batch_per_device=args.total_batch // n,
-        seed=args.seed,
-        progress=False,
-        probe=lambda p, s, b: snapshot(p, b),
-        probe_every=2 * epoch,
-    )
-    arrays = {k: v[-1] for k, v in run.probes.items()}  # at the start of the third epoch
+    batches = task.batches(args.total_batch, args.seed, 0)
+    if args.histogram_epochs == 0:
+        arrays, step = snapshot(task.init(jax.random.key(args.seed)), batches[0]), 0
+    else:
+        run = loop.train(
+            methods.Method(
+                "float momentum", transformation("float", optax.sgd(0.02, momentum=0.9))
+            ),
+            task,
+            mesh,
+            epochs=args.histogram_epochs + 1,
+            batch_per_device=args.total_batch // n,
+            seed=args.seed,
+            progress=False,
+            probe=lambda p, s, b: snapshot(p, b),
+            probe_every=args.histogram_epochs * len(batches),
+        )
+        # At the start of the last epoch.
+        arrays, step = {k: v[-1] for k, v in run.probes.items()}, run.probe_steps[-1]
     edges = np.linspace(-np.abs(arrays["float"]).max(), np.abs(arrays["float"]).max(), 61)
     return {
         "layer": "/".join(LAYER),
         "devices": n,
-        "step": run.probe_steps[-1],
+        "step": step,
         "edges": edges,
         **{k: np.histogram(np.ravel(v), bins=edges)[0] for k, v in arrays.items()},
     }
 
 
-def plot(fig: object, sizes: list[int], rows: list[tuple], histogram: dict) -> None:
-    axes = fig.subplots(1, 3)
-    for ax, opt_name in zip(axes[:2], OPTIMIZERS, strict=True):
-        for variant in VARIANTS:
+def plot(
+    fig: object,
+    sizes: list[int],
+    rows: list[tuple],
+    histogram: dict,
+    optimizers: list[str],
+    variants: list[str],
+) -> None:
+    axes = fig.subplots(1, len(optimizers) + 1)
+    for ax, opt_name in zip(axes[:-1], optimizers, strict=True):
+        for variant in variants:
             acc = [100 * a for m, o, v, a in rows if o == opt_name and v == variant]
             ax.plot(sizes, acc, label=variant, **report.style(*STYLES[variant]))
         ax.set(
@@ -172,8 +214,8 @@ def plot(fig: object, sizes: list[int], rows: list[tuple], histogram: dict) -> N
         ax.set_xticks(sizes, [str(n) for n in sizes])
     centers = (histogram["edges"][1:] + histogram["edges"][:-1]) / 2
     for key in ("float", "clipped", "ternary", "averaged"):
-        axes[2].plot(centers, histogram[key], label=key, lw=1)
-    axes[2].set(
+        axes[-1].plot(centers, histogram[key], label=key, lw=1)
+    axes[-1].set(
         yscale="log",
         xlabel=f"gradient value, {histogram['layer']}",
         ylabel="count (log scale)",

@@ -56,6 +56,7 @@ from gradcomm.parallel._layout import (
     stack,
     state_model_specs,
     state_specs,
+    sync_layout,
     unstack,
 )
 from gradcomm.parallel._overlap import check_layerwise, layerwise, overlapped_update
@@ -221,6 +222,8 @@ class TrainStep:
             local = jax.eval_shape(self._tx.init, shapes)
             if self._overlap:
                 check_layerwise(self._inner, local)
+            if self._sync:
+                local = TrainState(local, jax.eval_shape(self._sync.init, shapes))
             self._shapes[key] = (local, state_models)
         return self._shapes[key]
 
@@ -250,8 +253,6 @@ class TrainStep:
         models, param_specs = self._param_specs(params)
         split = tuple(jax.tree.leaves(models, is_leaf=lambda x: isinstance(x, P)))
         local, state_models = self._state_shapes(params, models, split)
-        if self._sync:
-            local = TrainState(local, state.sync)
         if self._num_shards == 1:
             # One device: with Auto axes, JAX drops the size-1 device axis from a state
             # leaf's sharding, which then cannot say which leaves are per device; the
@@ -260,8 +261,8 @@ class TrainStep:
             if key in self._compiled:
                 return self._compiled[key]
             flags = layout(self._tx, params, self._mesh, self._names, self._params_per_device)
-            if self._sync:  # the sync's state is replicated
-                flags += [False] * len(jax.tree.leaves(state.sync))
+            if self._sync:
+                flags += sync_layout(self._sync, params, self._mesh, self._names)
         else:
             # A leaf split over the data axes like an FSDP param has no device axis.
             fsdp_state = [is_fsdp(m, self._names) for m in state_models]

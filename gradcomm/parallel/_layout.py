@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradcomm import _axes, _checks
+from gradcomm import _axes, _checks, _collectives
 from gradcomm.parallel._placement import device_spec, is_fsdp, model_specs, with_device_axis
 from gradcomm.parallel._validate import per_device_hint
 
@@ -260,5 +260,36 @@ def layout(
         new = [f or g for f, g in zip(flags, found, strict=True)]
         if new == flags:
             _check_decisions(shapes, flags)
+            return flags
+        flags = new
+
+
+def sync_layout(sync: Any, params: Any, mesh: Mesh, names: tuple[str, ...]) -> list[bool]:
+    """Which leaves of a `ParamsSync`'s state live per device: as `layout`, the fixed point
+    of tracing one update (on per-device params, from a state that starts the same on
+    every device), every leaf that comes out varying over the data axes."""
+    models = model_specs(params, mesh, names, True)
+    param_spec = with_device_axis(models, device_spec(mesh, names))
+    flags = [False] * len(jax.tree.leaves(jax.eval_shape(sync.init, local_shapes(params, True))))
+    while True:
+        found: list[bool] = []
+
+        def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
+            params = local_params(params, True)
+            first = jax.tree.map(lambda x: _collectives.all_gather_invariant(x, names)[0], params)
+            leaves, treedef = jax.tree.flatten(sync.init(first))
+            leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+            varied = jax.tree.map(lambda x: _axes.vary(x, names), params)
+            _, new_state = sync.update(varied, jax.tree.unflatten(treedef, leaves))
+            found.extend(
+                bool(_axes.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
+            )
+            return jnp.zeros(())
+
+        probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
+        with _checks.shapes_only(), _joined_branches():
+            jax.eval_shape(probe_map, params)
+        new = [f or g for f, g in zip(flags, found, strict=True)]
+        if new == flags:
             return flags
         flags = new

@@ -1,7 +1,8 @@
 """`init_state`: a transformation's state on every device, per device only where it must be.
 
 `layout` (`_layout`) says which leaves are per device; with a `ParamsSync`, the state is a
-`TrainState` holding the sync's state beside it, replicated.
+`TrainState` holding the sync's state beside it, laid out by `sync_layout` (replicated but
+for the leaves its update makes differ, such as eager DiLoCo's own outer gradients).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gradcomm.parallel._layout import (
     stack,
     state_model_specs,
     state_specs,
+    sync_layout,
 )
 from gradcomm.parallel._overlap import check_layerwise, layerwise
 from gradcomm.parallel._placement import (
@@ -37,7 +39,8 @@ from gradcomm.sync import ParamsSync
 class TrainState(NamedTuple):
     """What `init_state` returns with a `sync`: the transformation's state and the sync's.
 
-    The sync's state is replicated (the same on every device, by `ParamsSync`'s contract).
+    The sync's state is replicated, but for the leaves its update makes differ between
+    devices, which carry a leading device axis like the transformation's.
     """
 
     tx: Any
@@ -62,18 +65,24 @@ def sync_state_of(
     sync: ParamsSync, params: Any, mesh: Mesh, names: tuple[str, ...], models: Any
 ) -> Any:
     """The sync's state from the first device's per-device params, inside the map: the
-    same on every data-parallel device, and split over model axes like the params its
-    leaves mirror (`models`), in one process or several."""
+    same on every data-parallel device (the leaves `sync_layout` finds per device start
+    as that copy on every device), and split over model axes like the params its leaves
+    mirror (`models`), in one process or several."""
     shapes = local_shapes(params, True)
-    specs = state_model_specs(sync, shapes, models)
-    out_specs = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(sync.init, shapes)), specs)
+    flags = sync_layout(sync, params, mesh, names)
+    models_of_state = state_model_specs(sync, shapes, models)
+    out_specs = state_specs(
+        jax.eval_shape(sync.init, shapes), flags, device_spec(mesh, names), models_of_state
+    )
     param_spec = with_device_axis(models, device_spec(mesh, names))
 
     def body(params: Any) -> Any:
         first = jax.tree.map(
             lambda x: _collectives.all_gather_invariant(x[0], names)[0], params
         )  # device 0's copy, typed the same on every data-parallel device
-        return sync.init(first)
+        leaves, treedef = jax.tree.flatten(sync.init(first))
+        leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+        return stack(jax.tree.unflatten(treedef, leaves), flags)
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_spec,), out_specs=out_specs)
     return jax.jit(mapped)(params)
@@ -108,7 +117,7 @@ def init_state(
     Returns:
       The state: per-device leaves of shape `(num_shards, *leaf_shape)` sharded over
       `axes`, the others replicated. With `sync`, a `TrainState` of that state and the
-      sync's (replicated).
+      sync's (laid out the same way).
 
     Example:
       >>> import jax.numpy as jnp, optax, gradcomm

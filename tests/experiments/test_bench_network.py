@@ -249,29 +249,33 @@ def test_ctrl_c_cleans_up(tmp_path):
 @needs_root
 @pytest.mark.slow
 def test_tiny_run_writes_records(tmp_path):
+    # One shaped cell, two rows: a step's median (allreduce) and a cycle's mean (local-sgd,
+    # which also carries options); each compiled method costs seconds. An unshaped cell:
+    # test_tiny_mesh_run_records_the_mesh; a grid of rates and meshes, each cell's bytes
+    # measured once: test_main_runs_every_cell_of_the_grid.
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit,unshaped",
-         "--methods", "allreduce,lags,local-sgd", "--params", "2e4", "--steps", "3",
-         "--runs", "2", "--out", str(tmp_path), "--quiet"],
+        [sys.executable, str(SCRIPT), "--nodes", "2", "--rates", "100mbit",
+         "--methods", "allreduce,local-sgd", "--params", "2e4", "--steps", "3",
+         "--runs", "3", "--shaped-runs", "2", "--out", str(tmp_path), "--quiet"],
         capture_output=True, text=True, timeout=600, env=env(), check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((tmp_path / "network.json").read_text())
     assert {(r["label"], r["rate"]) for r in records} == {
-        (m, rate) for m in ("allreduce", "lags", "local-sgd") for rate in ("100mbit", "unshaped")
-    }
+        ("allreduce", "100mbit"), ("local-sgd", "100mbit"),
+    }  # fmt: skip
     keys = {"method", "options", "nodes", "rate", "step_s", "ratio_vs_allreduce",
             "bytes_per_step", "link_mbit_measured"}  # fmt: skip
     for r in records:
         assert keys <= set(r)
         assert r["step_s"] > 0 and r["bytes_per_step"] > 0
+        assert len(r["step_s_runs"]) == 2  # a shaped cell: --shaped-runs, not --runs
+        assert abs(r["link_mbit_measured"] - 100) <= 10
         if r["method"] == "allreduce":
             assert r["ratio_vs_allreduce"] == 1.0
-        if r["rate"] == "100mbit":
-            assert abs(r["link_mbit_measured"] - 100) <= 10
-    lags = next(r for r in records if r["label"] == "lags")
-    assert lags["method"] == "lags" and lags["options"] == {"density": 0.01}
+            assert r["timing"] == "median" and r["cycle"] == 1
     local = next(r for r in records if r["label"] == "local-sgd")
+    assert local["method"] == "local_sgd" and local["options"] == {"every": 20}
     assert local["timing"] == "cycle-mean" and local["cycle"] == 20
     assert (tmp_path / "network.png").stat().st_size > 0
     assert "netem" in (tmp_path / "network.md").read_text()
@@ -352,6 +356,79 @@ def test_mesh_records_and_table():
     assert "| powersgd | 0.38 (1.000) | 15 |" in text  # the flat section: all bytes
 
 
+GRID_LABELS = ["allreduce", "local-sgd", "terngrad", "adasum-hierarchical"]
+
+
+def test_main_runs_every_cell_of_the_grid(monkeypatch, tmp_path):
+    """`main` over node counts, rates and meshes, each cell's workers stood in for
+    (`run_cell`; real ones run in the tiny runs): one worker run per cell and
+    row group, bytes measured in the first cell of each mesh and node count only, and
+    every record of that mesh and node count given those bytes, not another mesh's."""
+    calls = []
+
+    def sent(mesh, nodes, label):  # distinct bytes per mesh, node count and row
+        return 1e3 * netmesh.MESHES.index(mesh) + 1e2 * nodes + GRID_LABELS.index(label)
+
+    def run_cell(nodes, rate, args, *, peer=False, **config):
+        mesh, labels = config.get("mesh", "flat"), config["labels"]
+        measure = config["measure_bytes"]
+        calls.append((nodes, rate, mesh, labels, config["local"], measure))
+        results = {}
+        for label in labels:
+            nbytes = sent(mesh, nodes, label) if measure else None
+            every = networker.cycle(networker.spec_of(label), nodes)
+            results[label] = {"runs": [1.0], "bytes": nbytes, "params": 100, "probe": None,
+                              "cycle": every}  # fmt: skip
+            if mesh != "flat":  # what `network.mesh.worker` sends: None where not measured
+                results[label].update(
+                    link_bytes=nbytes and nbytes / 2,
+                    bytes_by_axes=nbytes and {"data": nbytes / 2, "model": nbytes / 2},
+                )
+        devices = {"platform": "cpu", "device_count": nodes, "process_count": nodes}
+        payload = {"results": results, "devices": devices}
+        if mesh != "flat":
+            axes = {"data": nodes, "model": 2}
+            payload["mesh"] = {"name": mesh, "axes": axes, "data_axes": ["data"],
+                               "param_specs": {}, "batch": 32 * nodes}  # fmt: skip
+        return payload, [95.0] * nodes if rate == "100mbit" else [], None
+
+    drawn = []
+    monkeypatch.setattr(bench_network, "run_cell", run_cell)
+    monkeypatch.setattr(bench_network, "plot_problem", lambda: None)
+    monkeypatch.setattr(netcluster, "root_problem", lambda: None)
+    monkeypatch.setattr(netreport, "plot", lambda records, path: drawn.append(path))
+    monkeypatch.setattr(provenance, "software", dict)  # no git per record
+    args = ["--nodes", "2,4", "--rates", "100mbit,unshaped", "--mesh", "flat,tp,fsdp",
+            "--methods", ",".join(GRID_LABELS[1:]), "--out", str(tmp_path), "--quiet"]  # fmt: skip
+    records = bench_network.main(args)
+    groups = [
+        ("flat", GRID_LABELS[:3], False),
+        ("flat", ["allreduce", "adasum-hierarchical"], True),  # 2 devices per host
+        ("tp", GRID_LABELS[:3], False),  # no hierarchical rows on a 2-D mesh
+        ("fsdp", ["allreduce", "terngrad"], False),  # netmesh.FSDP's rows
+    ]
+    assert calls == [
+        (nodes, rate, mesh, labels, local, rate == "100mbit")
+        for nodes in (2, 4) for rate in ("100mbit", "unshaped") for mesh, labels, local in groups
+    ]  # fmt: skip
+    rows = {(mesh, label) for mesh, labels, _ in groups for label in labels}
+    assert sorted((r["nodes"], r["rate"], r["mesh"], r["label"]) for r in records) == sorted(
+        (nodes, rate, *row) for nodes in (2, 4) for rate in ("100mbit", "unshaped") for row in rows
+    )  # fmt: skip
+    for r in records:
+        assert r["bytes_per_step"] == sent(r["mesh"], r["nodes"], r["label"])
+        if r["mesh"] != "flat":
+            assert r["link_bytes_per_step"] == r["bytes_per_step"] / 2
+            assert r["mesh_axes"] == {"data": r["nodes"], "model": 2}
+    assert json.loads((tmp_path / "network.json").read_text()) == records
+    assert drawn == [tmp_path / "network.png"]
+    text = (tmp_path / "network.md").read_text()
+    for nodes in (2, 4):
+        assert f"**N = {nodes}**" in text and f"**N = {nodes}, mesh tp**" in text
+        assert f"**N = {nodes}, mesh fsdp**" in text
+    assert "allreduce (psum_scatter)" in text and "netem" in text
+
+
 def _mesh_workers(mesh, labels, port):
     procs = []
     for i in range(2):
@@ -373,7 +450,7 @@ def test_mesh_workers_on_loopback():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    labels = ["allreduce", "powersgd", "diloco", "adasum"]
+    labels = ["allreduce", "powersgd", "diloco", "dpsgd"]
     payload = _mesh_workers("tp", labels, port)
     assert payload["devices"]["device_count"] == 4 and payload["devices"]["process_count"] == 2
     mesh = payload["mesh"]
@@ -386,43 +463,50 @@ def test_mesh_workers_on_loopback():
         # The model axis's psums stay inside a process; the data axis's cross the link.
         assert res["bytes_by_axes"]["model"] > 0 and res["link_bytes"] > 0
     assert results["powersgd"]["link_bytes"] < results["allreduce"]["link_bytes"] / 5
-    # Adasum's step timed its "auto" swaps both ways on its first call and kept the
-    # faster (`TrainStep.probe`); the others have no swap to choose.
-    probe = results["adasum"]["probe"]
+    # D-PSGD's step timed its "auto" swaps both ways on its first call and kept the
+    # faster (`TrainStep.probe`); the others have no swap to choose. (Adasum's step,
+    # whose compilation here costs the most, probes across processes in
+    # tests/suites/test_multiprocess.py, and in tests/library/test_calibrate.py.)
+    probe = results["dpsgd"]["probe"]
     assert probe["exchange"] in ("permute", "pairwise") and probe["permute_s"] > 0
-    assert all(results[m]["probe"] is None for m in labels if m != "adasum")
+    assert all(results[m]["probe"] is None for m in labels if m != "dpsgd")
     records = netreport.records_of(results, 2, "unshaped", [], False, {}, mesh=mesh)
     assert {r["mesh"] for r in records} == {"tp"}
     assert {r["label"]: r["exchange"] for r in records} == {
         "allreduce": None,
         "powersgd": None,
         "diloco": None,
-        "adasum": probe["exchange"],
+        "dpsgd": probe["exchange"],
     }
 
 
 @needs_root
 @pytest.mark.slow
 def test_tiny_mesh_run_records_the_mesh(tmp_path):
+    # The FSDP mesh, whose rows reduce-scatter, in an unshaped cell: allreduce's plain
+    # psum_scatter and fp16's 16-bit one (TernGrad's FSDP form, which takes far longer to
+    # compile, runs in tests/methods/test_terngrad.py). The tp mesh's workers run in
+    # test_mesh_workers_on_loopback, and a grid of both (and the flat one) in
+    # test_main_runs_every_cell_of_the_grid; each compiled method costs seconds.
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--mesh", "tp,fsdp", "--nodes", "2", "--rates",
-         "100mbit", "--methods", "allreduce,terngrad", "--params", "2e4", "--steps", "2",
-         "--out", str(tmp_path), "--quiet"],
+        [sys.executable, str(SCRIPT), "--mesh", "fsdp", "--nodes", "2", "--rates",
+         "unshaped", "--methods", "allreduce,fp16", "--params", "2e4", "--steps", "2",
+         "--runs", "2", "--out", str(tmp_path), "--quiet"],
         capture_output=True, text=True, timeout=600, env=env(), check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((tmp_path / "network.json").read_text())
-    fsdp_rows = {(m, "fsdp") for m in netmesh.FSDP if m in ("allreduce", "terngrad")}
-    assert {(r["label"], r["mesh"]) for r in records} == {
-        ("allreduce", "tp"), ("terngrad", "tp"), *fsdp_rows,
+    assert {(r["label"], r["mesh"], r["method"]) for r in records} == {
+        ("allreduce", "fsdp", "allreduce"), ("fp16", "fsdp", "low_precision"),
     }  # fmt: skip
     for r in records:
         assert r["mesh_axes"] == {"data": 2, "model": 2} and r["devices_per_process"] == 2
+        assert r["rate"] == "unshaped" and len(r["step_s_runs"]) == 2  # --runs
+        assert r["link_mbit_measured"] > 0  # the veth links, unshaped
         assert r["probe"] is None and r["exchange"] is None  # no swap to choose
         assert r["bytes_per_step"] > r["link_bytes_per_step"] > 0
         assert (r["provenance"]["device_count"], r["provenance"]["process_count"]) == (4, 2)
-    fsdp = next(r for r in records if r["mesh"] == "fsdp")
-    assert fsdp["param_specs"]["w0"] == "P('data', 'model')"
-    assert fsdp["baseline"] == "allreduce (psum_scatter)"
+        assert r["param_specs"]["w0"] == "P('data', 'model')"
+        assert r["baseline"] == "allreduce (psum_scatter)"
     text = (tmp_path / "network.md").read_text()
-    assert "mesh tp" in text and "allreduce (psum_scatter)" in text
+    assert "mesh fsdp" in text and "allreduce (psum_scatter)" in text

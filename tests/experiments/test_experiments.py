@@ -1,6 +1,7 @@
 """The experiment scripts run end to end (tiny settings) and write what they promise."""
 
 import argparse
+import atexit
 import datetime
 import functools
 import importlib.util
@@ -9,9 +10,12 @@ import json
 import os
 import pathlib
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import uuid
 
 import numpy as np
 import pytest
@@ -29,9 +33,10 @@ PATHS = {
 SCRIPTS = sorted(PATHS)
 # Each study at its smallest: the script runs end to end and writes JSON, PNG and Markdown.
 STUDIES = {
+    # One N (Adasum and the all-reduce from N = 1: tests/methods/test_adasum.py).
     "adasum_large_batch.py": [
         "--sizes",
-        "1,2",
+        "2",
         "--epochs",
         "1",
         "--seeds",
@@ -41,8 +46,16 @@ STUDIES = {
         "--probe-every",
         "20",
     ],
-    "terngrad_workers.py": ["--sizes", "2", "--epochs", "1"],
+    # TernGrad with clipping, the study's subject, and Fig. 2 of the initial model (float
+    # momentum SGD and vanilla SGD, and no clipping, are flags of the same calls).
+    "terngrad_workers.py": (
+        "--sizes 2 --epochs 1 --optimizers momentum --variants terngrad --histogram-epochs 0"
+    ).split(),
+    # LAGS with its delta(l) probe, and with the eq. 18 plan (dense SGD and SLGS: the study's
+    # baselines, gradcomm.allreduce and gradcomm.slgs in the same loop).
     "lags_sparsity.py": [
+        "--runs",
+        "lags,plan",
         "--densities",
         "0.01",
         "--epochs",
@@ -52,7 +65,9 @@ STUDIES = {
         "--probe-every",
         "40",
     ],
-    "sgp_gossip.py": ["--epochs", "1", "--seeds", "0", "--batch-size", "64", "--devices", "4"],
+    # SGP, and the hybrid that switches to it from the all-reduce (2 peers, D-PSGD and the
+    # overlaps are other arguments of the same calls: tests/methods/test_gossip.py).
+    "sgp_gossip.py": "--epochs 1 --seeds 0 --batch-size 64 --devices 4 --runs sgp,hybrid".split(),
     "local_gradients.py": [
         "--seeds",
         "0",
@@ -60,8 +75,13 @@ STUDIES = {
         "1",
         "--train-size",
         "512",
+        # Per-device params and a sync on both models, averaged twice in the 16 steps.
+        # Gradient dropping's compiled step takes 3 to 6 times as long as this one on them;
+        # dropping-local runs in the compare test below.
         "--methods",
-        "dropping-local",  # the study's subject (per-device params, a sync) on both models
+        "local-sgd",
+        "--local-every",
+        "8",
         "--length",
         "6",
     ],
@@ -94,16 +114,115 @@ def import_script(script):
     return sys.modules[name]
 
 
+# The server that starts the scripts: a Python process in `script_env` that has imported
+# what they import (about 4 s of CPU a process, half of a tiny run's) and has not started
+# JAX's backend. For each script it forks a child, which runs the script from its first
+# line as `python script.py args` does (its own sys.argv, sys.path[0] and devices), its
+# output to two files; the modules imported are those of the server's start. Requests and
+# replies are JSON lines on its stdin and stdout.
+SERVER = r"""
+import json, os, runpy, signal, sys, time, traceback
+import flax.linen, gradcomm, jax, matplotlib.pyplot, optax, tqdm.auto
+import sklearn.datasets, sklearn.model_selection
+
+def child(argv, out, err):
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for path, fd in ((out, 1), (err, 2)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+children, parent = set(), os.getppid()
+for line in sys.stdin:
+    request = json.loads(line)
+    if "argv" in request:
+        pid = os.fork()
+        if pid == 0:
+            child(request["argv"], request["out"], request["err"])
+        children.add(pid)
+        reply = {"pid": pid}
+    else:
+        pid, deadline = request["wait"], time.monotonic() + request["timeout"]
+        done, status = os.waitpid(pid, os.WNOHANG)
+        while not done and time.monotonic() < deadline and os.getppid() == parent:
+            time.sleep(0.05)
+            done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:  # out of time, or the test process is gone
+            os.kill(pid, signal.SIGKILL)
+            status = os.waitpid(pid, 0)[1]
+        children.discard(pid)
+        reply = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": not done}
+    print(json.dumps(reply), flush=True)
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+@functools.cache
+def server():
+    """This worker's script server (`SERVER`), started on first use, stopped at exit."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=script_env())  # fmt: skip
+
+    def stop():
+        proc.stdin.close()  # the server stops its children, and exits
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    atexit.register(stop)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="scripts-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+    def ask(request):
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        reply = proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the script server exited with {proc.wait()} (its stderr above)")
+        return json.loads(reply)
+
+    return ask, folder
+
+
+class Script:
+    """A script running in a child of the script server; `wait` returns a
+    `subprocess.CompletedProcess` (raises `subprocess.TimeoutExpired` after `timeout`)."""
+
+    def __init__(self, script, *args):
+        ask, folder = server()
+        self.argv = [str(PATHS[script]), *map(str, args)]
+        self.out, self.err = (folder / f"{uuid.uuid4().hex}.{e}" for e in ("out", "err"))
+        self.pid = ask({"argv": self.argv, "out": str(self.out), "err": str(self.err)})["pid"]
+
+    def wait(self, timeout=300):
+        reply = server()[0]({"wait": self.pid, "timeout": timeout})
+        out, err = (path.read_text() for path in (self.out, self.err))
+        self.out.unlink()
+        self.err.unlink()
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(self.argv, timeout, out, err)
+        return subprocess.CompletedProcess(self.argv, reply["returncode"], out, err)
+
+
 def run(script, *args, timeout=300):
-    env = script_env()
-    return subprocess.run(
-        [sys.executable, str(PATHS[script]), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+    """Runs `script` with `args` to its end (see `Script`)."""
+    return Script(script, *args).wait(timeout)
 
 
 def main_in_process(script, *args, monkeypatch):
@@ -158,7 +277,10 @@ BAD_ARGUMENTS = [
     ("adasum_large_batch.py", ["--sizes", "1,4", "--devices", "2"], "needs --devices 4"),
     ("terngrad_workers.py", ["--sizes", "3"], "must divide by every N"),
     ("lags_sparsity.py", ["--densities", "0.01,2"], "must be in (0, 1]"),
+    ("lags_sparsity.py", ["--runs", "lags,sparse"], "--runs: unknown sparse; choose from"),
     ("sgp_gossip.py", ["--seeds", "0,x"], "--seeds '0,x'"),
+    ("sgp_gossip.py", ["--runs", "sgp,gossip"], "--runs: unknown gossip; choose from sgp,"),
+    ("terngrad_workers.py", ["--variants", "float,nope"], "--variants: unknown nope"),
     ("local_gradients.py", ["--models", "gru"], "unknown model(s): gru"),
     ("bench_collectives.py", ["--methods", "nope"], "unknown method(s): nope"),
     ("bench_scaling.py", ["--devices", "0"], "must be at least 1"),
@@ -174,6 +296,14 @@ def test_bad_arguments_exit_with_a_message(script, args, message, tmp_path, monk
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_the_script_server_passes_on_exit_status_and_output():
+    # The script tests below start their scripts with `run` and `Script`: the status and the
+    # output of a child of the script server are those of the script.
+    result = run("train.py", "--devices", "0", "--out", "never-written")
+    assert result.returncode == 2 and "--devices: must be at least 1" in result.stderr
+    assert result.args[0].endswith("train.py") and "usage: train.py" in result.stderr
 
 
 def test_devices_that_cannot_be_simulated_exit_with_a_message():
@@ -404,15 +534,16 @@ def test_study_runs_and_writes_json_png_and_markdown(tmp_path, script):
 
 @pytest.mark.slow
 def test_compare_on_one_device_says_nothing_crosses_a_wire(tmp_path):
-    # One method with replicated params and one with per-device params (Adasum on one
-    # device: adasum_large_batch.py's N=1), over two seeds: each run says its seed, each
-    # method its mean and min-max.
-    # The one test of compare.py's interleaved step timing (the others turn it off: it
-    # compiles every method's step again): 3 rounds of 2 steps, alternating order.
+    # One method with replicated params and one with per-device params, over two seeds
+    # (the second seed's runs and the timing reuse the first's compiled steps): each run
+    # says its seed, each method its mean and min-max.
+    # The one test of compare.py's interleaved step timing (the others turn it off: it runs
+    # every method's step again): 3 rounds of 2 steps, alternating order. --no-progress:
+    # --quiet's other name.
     methods = ["--method", "allreduce,sgp", "--timing-rounds", "3", "--timing-steps", "2"]
     result = run(
         "compare.py", "--devices", "1", "--epochs", "1", "--batch-size", "64", "--seeds", "0,1",
-        "--quiet", *methods, "--out", str(tmp_path),
+        "--no-progress", *methods, "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "nothing crosses a wire" in result.stdout
@@ -441,20 +572,66 @@ def test_compare_on_one_device_says_nothing_crosses_a_wire(tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_runs_every_method_and_writes_json_pngs_and_markdown(tmp_path):
-    # No --quiet: the output is a pipe, so the progress bars stay off (no "\r" flood).
-    # One seed (several: the test below, and the summary's own test above); 2 epochs, 88
-    # steps: local SGD and DiLoCo average 4 times, dropping-local once.
-    # No interleaved step timing (it compiles each step again; tested on one device above).
-    args = ["--devices", "2", "--epochs", "2", "--seeds", "0", "--timing-rounds", "0",
-            "--out", str(tmp_path)]  # fmt: skip
-    result = run("compare.py", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "\r" not in result.stderr and "\r" not in result.stdout
+def test_compare_runs_every_method_and_train_in_two_processes_repeats_it(tmp_path):
+    """compare.py runs every method in one process and writes its files; train.py (the same
+    recipe, `compare.run_methods`) repeats two of them in two processes (gloo) of 2
+    devices each, against the one process of 4: the same runs, and train.py's own files.
+
+    A psum (local SGD's average, and every step's mean loss) may add in another order
+    across processes, so losses are compared to float32 rounding (a recipe that differed
+    would differ far more); test accuracy and bytes are the same. One run of each serves
+    both checks: each compiles every method's step.
+    """
+    # One seed (several: the one-device test above, and the summary's own test above), not
+    # the default; 1 epoch at 6 examples per device on 4 devices, 59 steps: local SGD and
+    # DiLoCo average twice, dropping-local once, at step 50, where gradient dropping's
+    # warm-up ends. No interleaved step timing (tested on one device above). No --quiet:
+    # the output is a pipe, so the progress bars stay off (no "\r" flood).
+    recipe = ["--epochs", "1", "--batch-size", "6", "--timing-rounds", "0"]
+    # A sparse all-gather, and per-device params averaged now and then by a psum (the
+    # all-reduce's collective; Adasum and SGP across two processes, bit for bit:
+    # tests/suites/test_multiprocess.py).
+    repeated = ["lags", "local-sgd"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    half = ["--devices", "2", *recipe, "--method", ",".join(repeated), "--seed", "3",
+            "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--out", str(tmp_path / "train")]  # fmt: skip
+    two_processes = [Script("train.py", *half, "--process-id", i) for i in range(2)]
+    every = ["--devices", "4", *recipe, "--seeds", "3", "--out", str(tmp_path)]
+    result = run("compare.py", *every)
+    for done in (result, *(process.wait(600) for process in two_processes)):
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert "\r" not in done.stderr and "\r" not in done.stdout
     study = json.loads((tmp_path / "compare.json").read_text())
+    check_every_method(study, tmp_path)
+    assert study["provenance"]["command"][1:] == every
+    assert {p.name for p in (tmp_path / "train").iterdir()} == {
+        "train.json", "train.md", "train.png", "train_bytes.png"
+    }  # fmt: skip
+    again = json.loads((tmp_path / "train" / "train.json").read_text())
+    check_provenance(again["provenance"], devices=4, seeds=[3], processes=2)
+    assert again["provenance"]["command"][1:] == [*half, "--process-id", "0"]
+    assert [(r["seed"], r["method"]) for r in again["runs"]] == [(3, m) for m in repeated]
+    assert again["seeds"] == study["seeds"] == [3]
+    one = [r for r in study["runs"] if r["method"] in repeated]
+    # Local SGD averages the devices' params in the runs compared (at step 20).
+    assert len(one[1]["losses"]) >= registry.METHODS[one[1]["method"]].every == 20
+    summary = [s for s in study["summary"] if s["method"] in repeated]
+    for a, b in zip(again["runs"] + again["summary"], one + summary, strict=True):
+        assert a["method"] == b["method"]
+        assert a["test_accuracy"] == b["test_accuracy"]
+        assert a["bytes_per_step"] == b["bytes_per_step"]
+    for a, b in zip(again["runs"], one, strict=True):
+        np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5, atol=1e-6)
+
+
+def check_every_method(study, out):
+    """compare.py's outputs over every method of the registry's COMPARE, one seed."""
     runs = study["runs"]
     assert [r["method"] for r in runs] == list(registry.COMPARE)
-    assert {r["seed"] for r in runs} == {0} and study["seeds"] == [0]
+    assert {r["seed"] for r in runs} == {3} and study["seeds"] == [3]
     for r in runs:
         assert 0.5 < r["test_accuracy"] <= 1 and r["bytes_per_step"] > 0
         assert r["losses"][-1] < r["losses"][0]
@@ -466,105 +643,11 @@ def test_compare_runs_every_method_and_writes_json_pngs_and_markdown(tmp_path):
     points = [(s["bytes_per_step"], s["test_accuracy"]["mean"]) for s in summary]
     front = [runs[i]["method"] for i in sorted(report.pareto_front(points), key=points.__getitem__)]
     assert study["pareto_front"] == front and front
-    check_provenance(study["provenance"], devices=2, seeds=[0])
-    assert study["provenance"]["command"][1:] == args
+    check_provenance(study["provenance"], devices=4, seeds=[3])
     for png in ("compare.png", "compare_bytes.png"):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    table = (tmp_path / "compare.md").read_text()
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    table = (out / "compare.md").read_text()
     assert "| adasum |" in table and "Pareto front" in table
-
-
-# What may differ between two runs of the same recipe: how long things took.
-TIMINGS = ("step_seconds", "wall_seconds")
-
-
-def test_compare_twice_gives_the_same_results(tmp_path):
-    """The comparison twice, as train.py and then as compare.py with the same settings (one
-    recipe, `compare.run_methods`): the same runs, bit for bit, and the same summary and
-    front. The first run is also train.py's smoke test (its files; compare.py's: above)."""
-    common = ["--devices", "2", "--epochs", "1", "--batch-size", "64",
-              "--method", "allreduce,lags", "--timing-rounds", "0"]  # fmt: skip
-    # No --quiet: the output is a pipe, so the progress bars stay off (no "\r" flood).
-    train = run("train.py", *common, "--seed", "3", "--out", str(tmp_path / "train"))
-    assert train.returncode == 0, train.stderr[-3000:]
-    assert "\r" not in train.stderr
-    assert {p.name for p in (tmp_path / "train").iterdir()} == {
-        "train.json", "train.md", "train.png", "train_bytes.png"
-    }  # fmt: skip
-    compare = run("compare.py", *common, "--seeds", "3", "--quiet", "--out", str(tmp_path))
-    assert compare.returncode == 0, compare.stderr[-3000:]
-    studies = [json.loads((tmp_path / f).read_text()) for f in ("train/train.json", "compare.json")]
-    for study in studies:
-        check_provenance(study["provenance"], devices=2, seeds=[3])
-
-    def results(study):
-        drop = lambda record: {k: v for k, v in record.items() if k not in TIMINGS}  # noqa: E731
-        return {
-            "runs": [drop(r) for r in study["runs"]],
-            "summary": [drop(s) for s in study["summary"]],
-            **{key: study[key] for key in ("seeds", "pareto_front")},
-        }
-
-    first, second = map(results, studies)
-    assert [(r["seed"], r["method"]) for r in first["runs"]] == [(3, "allreduce"), (3, "lags")]
-    assert first == second
-
-
-@pytest.mark.slow
-def test_compare_in_two_processes_matches_one(tmp_path):
-    """Two processes with 4 devices each (gloo) against one with 8: the same numbers.
-
-    Every method but the all-reduce based ones moves data without arithmetic, so those
-    runs agree bit for bit; a psum may add in another order across processes, so losses
-    are compared to float32 rounding.
-    """
-    # A psum, a sparse all-gather and per-device params averaged now and then (Adasum and
-    # SGP across two processes, bit for bit: tests/suites/test_multiprocess.py).
-    methods = "allreduce,lags,local-sgd"
-    common = ["--epochs", "1", "--method", methods, "--seeds", "0", "--no-progress",
-              "--timing-rounds", "0"]  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = script_env()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(PATHS["compare.py"]),
-                *common,
-                "--devices",
-                "4",
-                "--coordinator-address",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--out",
-                str(tmp_path / "two"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    single = run("compare.py", *common, "--devices", "8", "--out", str(tmp_path / "one"))
-    for proc in procs:
-        log = proc.communicate(timeout=600)[0]
-        assert proc.returncode == 0, log[-3000:]
-    assert single.returncode == 0, single.stderr[-3000:]
-    two_study = json.loads((tmp_path / "two" / "compare.json").read_text())
-    check_provenance(two_study["provenance"], devices=8, seeds=[0], processes=2)
-    two = two_study["runs"]
-    one = json.loads((tmp_path / "one" / "compare.json").read_text())["runs"]
-    for a, b in zip(two, one, strict=True):
-        assert a["method"] == b["method"]
-        assert a["test_accuracy"] == b["test_accuracy"]
-        assert a["bytes_per_step"] == b["bytes_per_step"]
-        np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ Across processes (gloo) tests/suites/test_multiprocess.py runs them, where both 
 choose alike; here one process stands in for several (`spans_processes`).
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,30 +56,54 @@ def _adasum_step(monkeypatch, spans: bool, tx: optax.GradientTransformation | No
 
 def test_step_probe_times_the_step_both_ways_and_follows_the_faster(monkeypatch):
     """Across processes the first call times the step with each exchange for "auto" and
-    compiles the faster: the program that exchange names; one process has no link."""
-    explicit = {}
-    for exchange in ("permute", "pairwise"):
-        tx = optax.chain(optax.sgd(0.1), gradcomm.adasum("data", exchange=exchange))
-        explicit[exchange] = _adasum_step(monkeypatch, spans=False, tx=tx)[1]
-    # The exchanges agree; the programs around them may fuse the gradient's sums apart.
-    np.testing.assert_allclose(explicit["pairwise"], explicit["permute"], rtol=1e-6)
-    step, alone, swaps = _adasum_step(monkeypatch, spans=False)
-    assert step.probe is None and not swaps  # one process: "auto" keeps the ppermute
-    np.testing.assert_array_equal(alone, explicit["permute"])
+    compiles the faster: the program that exchange names; one process has no link. Each
+    timed run trains on from the params and state the previous one returned, so a method
+    whose phases cycle (gossip's peers) is timed over its phases."""
+    time_both, runs_out, rounds = _calibrate.time_both, {}, []
+
+    def spy(runs, repeats):  # the real timing, each run's new params kept
+        rounds.append(repeats)
+
+        def kept(kind, run):
+            def wrapped():
+                out = run()
+                runs_out.setdefault(kind, []).append(out[0])
+                return out
+
+            return wrapped
+
+        return time_both({kind: kept(kind, run) for kind, run in runs.items()}, repeats)
+
+    monkeypatch.setattr(_calibrate, "time_both", spy)
     step, probed, swaps = _adasum_step(monkeypatch, spans=True)
     probe = step.probe
     assert isinstance(probe, parallel.StepProbe)
     assert probe.permute_s > 0 and probe.pairwise_s > 0
     faster = "pairwise" if probe.pairwise_s < probe.permute_s else "permute"
     assert probe.exchange == faster and swaps == (faster == "pairwise")
-    np.testing.assert_array_equal(probed, explicit[faster])
-    for exchange in ("pairwise", "permute"):  # whichever is timed faster is compiled
-        times = (exchange, 2.0, 1.0) if exchange == "pairwise" else (exchange, 1.0, 2.0)
-        monkeypatch.setattr(_calibrate, "time_both", lambda runs, repeats, t=times: t)
-        step, probed, swaps = _adasum_step(monkeypatch, spans=True)
-        assert step.probe == parallel.StepProbe(*times)
-        assert swaps == (exchange == "pairwise")
-        np.testing.assert_array_equal(probed, explicit[exchange])
+    outs = {k: [parallel.host_copy(p)["w"] for p in v] for k, v in runs_out.items()}
+    assert set(outs) == {"permute", "pairwise"}
+    for trained in outs.values():  # a warm-up run, then one per repeat, each from the last
+        assert len(trained) == rounds[0] + 1 >= 3
+        assert all(not np.array_equal(a, b) for a, b in itertools.pairwise(trained))
+    # Each kind's first run steps from the same params as `step`'s first call: the
+    # exchanges agree (the programs around them may fuse the gradient's sums apart), and
+    # the step compiled the faster one's program.
+    first = {kind: trained[0] for kind, trained in outs.items()}
+    np.testing.assert_allclose(first["pairwise"], first["permute"], rtol=1e-6)
+    np.testing.assert_array_equal(probed, first[faster])
+    step, alone, swaps = _adasum_step(monkeypatch, spans=False)
+    assert step.probe is None and not swaps  # one process: "auto" keeps the ppermute
+    np.testing.assert_array_equal(alone, first["permute"])
+    # Whichever is timed faster is compiled: the other exchange, as if it had won.
+    other = "permute" if faster == "pairwise" else "pairwise"
+    times = (other, 2.0, 1.0) if other == "pairwise" else (other, 1.0, 2.0)
+    fake = lambda lower, args: parallel.StepProbe(*times)  # noqa: E731
+    monkeypatch.setattr(parallel, "probe_step", fake)
+    step, forced, swaps = _adasum_step(monkeypatch, spans=True)
+    assert step.probe == parallel.StepProbe(*times)
+    assert swaps == (other == "pairwise")
+    np.testing.assert_array_equal(forced, first[other])
 
 
 def test_step_without_swaps_is_not_probed(monkeypatch):
@@ -85,19 +111,3 @@ def test_step_without_swaps_is_not_probed(monkeypatch):
     for tx in (optax.chain(gradcomm.allreduce(), optax.sgd(0.1)), permute):
         step, _, _ = _adasum_step(monkeypatch, spans=True, tx=tx)
         assert step.probe is None  # both ways lower alike: nothing to time
-
-
-def test_step_probe_trains_on_from_each_run(monkeypatch):
-    """Each timed run takes the params and state the previous one returned, so a method
-    whose phases cycle (gossip's peers) is timed over its phases."""
-    seen = {}
-
-    def fake(runs, repeats):
-        for kind, run in runs.items():
-            seen[kind] = [np.asarray(parallel.host_copy(run()[0])["w"]) for _ in range(3)]
-        return "permute", 1.0, 2.0
-
-    monkeypatch.setattr(_calibrate, "time_both", fake)
-    _adasum_step(monkeypatch, spans=True)
-    for first, second, third in seen.values():
-        assert not np.array_equal(first, second) and not np.array_equal(second, third)

@@ -15,18 +15,24 @@ def test_pack_unpack_round_trip_and_segment_reductions(rows):
     shapes = [(), (1,), (7,), (5, 3), (300, 20)]
     leaves = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     layout = FlatLayout.of(shapes, rows)
-    x = layout.pack([jnp.asarray(v) for v in leaves], jnp.float32)
+
+    @jax.jit  # one compilation instead of one per operation
+    def run(leaves):
+        x = layout.pack(leaves, jnp.float32)
+        ones = layout.per_block(jnp.arange(len(shapes), dtype=jnp.float32)) * jnp.ones_like(x)
+        sums = layout.segment_sum([x, x * x])
+        maxima = layout.segment_max([jnp.abs(x)])[0]
+        return x, layout.unpack(x), sums, maxima, [v.max() for v in layout.unpack(ones)]
+
+    x, unpacked, sums, maxima, ones = run([jnp.asarray(v) for v in leaves])
     assert x.shape == (rows, layout.num_blocks, layout.block)
     assert layout.padded_size == x.size
-    for got, want in zip(layout.unpack(x), leaves, strict=True):
+    for got, want in zip(unpacked, leaves, strict=True):
         np.testing.assert_array_equal(got, want)
-    sums = layout.segment_sum([x, x * x])
     np.testing.assert_allclose(sums[0], [v.sum() for v in leaves], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(sums[1], [(v * v).sum() for v in leaves], rtol=1e-5)
-    maxima = layout.segment_max([jnp.abs(x)])[0]
     np.testing.assert_array_equal(maxima, [np.abs(v).max() for v in leaves])
-    ones = layout.per_block(jnp.arange(len(shapes), dtype=jnp.float32)) * jnp.ones_like(x)
-    assert [float(v.max()) for v in layout.unpack(ones)] == list(range(len(shapes)))
+    assert [float(v) for v in ones] == list(range(len(shapes)))
 
 
 def test_block_size_keeps_padding_small():

@@ -283,11 +283,21 @@ def test_the_loop_decode_has_the_bits_of_the_sort_decode(tmp_path):
     """experiments/benchmarks/bench_decode.py's alternative (sort, fold runs, one scatter)
     agrees bit for bit with the loop on N = 2..4, with NaN, -0.0 and inf planted, and the
     script says so."""
+    import importlib.util
     import json
+    import pathlib
+    import sys
 
-    from test_experiments import import_script
-
-    bench_decode = import_script("bench_decode.py")
+    # Loaded from its path (as tests/experiments/test_experiments.py's import_script does,
+    # under the same module name), so this file runs on its own.
+    if "bench_decode" not in sys.modules:
+        root = pathlib.Path(__file__).resolve().parents[2]
+        path = root / "experiments" / "benchmarks" / "bench_decode.py"
+        spec = importlib.util.spec_from_file_location("bench_decode", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_decode"] = module
+        spec.loader.exec_module(module)
+    bench_decode = sys.modules["bench_decode"]
 
     args = "--max-devices 4 --sizes 4096 --densities 0.05 --repeats 1".split()
     bench_decode.main([*args, "--out", str(tmp_path)])
@@ -340,10 +350,11 @@ def test_topk_over_shards_is_the_whole_top_k_in_shard_major_order(selector, mode
 
 
 @functools.cache
-def ordered_top_fn(shape, spec, mesh_shape, names, k, selector):
-    """Per data row of `(2, *shape)` split by `spec` beyond 'data': the picked entries'
-    indices in the whole row-major tensor (-1 for a piece's unpicked candidates), with
-    `topk_over_shards(..., order=)` from `_shards.global_index`."""
+def ordered_top_fn(shape, spec, mesh_shape, names, ks, selector):
+    """Per data row of `(2, *shape)` split by `spec` beyond 'data', for each k of `ks` (in
+    one program): the picked entries' indices in the whole row-major tensor (-1 for a
+    piece's unpicked candidates), with `topk_over_shards(..., order=)` from
+    `_shards.global_index`."""
     from gradcomm import _collectives, _shards
 
     mesh = explicit_mesh(mesh_shape, names)
@@ -353,13 +364,16 @@ def ordered_top_fn(shape, spec, mesh_shape, names, k, selector):
         piece = x[0]
         index = _shards.global_index(piece, spec, axes, "data", "test", "x").ravel()
         order = index.astype(jnp.int32)
-        picked = sparse.topk_over_shards([piece.ravel()], [axes], k, selector, [order])[0]
-        inside = picked.indices < piece.size
-        where = jnp.where(inside, order[jnp.minimum(picked.indices, piece.size - 1)], -1)
-        return _collectives.all_gather_invariant(where, axes).reshape(1, -1)
+        out = []
+        for k in ks:
+            picked = sparse.topk_over_shards([piece.ravel()], [axes], k, selector, [order])[0]
+            inside = picked.indices < piece.size
+            where = jnp.where(inside, order[jnp.minimum(picked.indices, piece.size - 1)], -1)
+            out.append(_collectives.all_gather_invariant(where, axes).reshape(1, -1))
+        return tuple(out)
 
     full = P("data", *spec)
-    f = jax.shard_map(body, mesh=mesh, in_specs=full, out_specs=P("data"))
+    f = jax.shard_map(body, mesh=mesh, in_specs=full, out_specs=(P("data"),) * len(ks))
     return mesh, full, jax.jit(f)
 
 
@@ -384,9 +398,10 @@ def test_topk_over_shards_with_an_order_ties_as_the_whole_tensor_does(
     rng = np.random.default_rng(len(names) + mesh_shape[-1])
     x = tied((2, *shape), rng)
     size = int(np.prod(shape))
-    for k in (1, 7, size // 3):
-        mesh, full, f = ordered_top_fn(shape, spec, mesh_shape, names, k, selector)
-        got = np.asarray(f(jax.device_put(x, NamedSharding(mesh, full))))
+    ks = (1, 7, size // 3)
+    mesh, full, f = ordered_top_fn(shape, spec, mesh_shape, names, ks, selector)
+    outs = f(jax.device_put(x, NamedSharding(mesh, full)))
+    for k, got in zip(ks, map(np.asarray, outs), strict=True):
         for row in range(2):
             want = np.sort(np.asarray(sparse.topk(jnp.asarray(x[row].ravel()), k)[1]))
             np.testing.assert_array_equal(np.sort(got[row][got[row] >= 0]), want)

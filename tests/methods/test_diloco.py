@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import hand_written_sync_loop, mesh_of, restore, save
+from helpers import hand_written_sync_loop, mesh_of, restore, save, scan_steps
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -107,7 +107,7 @@ def test_params_are_untouched_between_outer_steps():
     # And the sync alone, off its outer step, returns its input's bits.
     sync = diloco("data", every=2)
     p = jnp.asarray(np.random.default_rng(0).standard_normal((n, 3)), jnp.float32)
-    out = jax.vmap(lambda q: sync.update(q, sync.init(q))[0], axis_name="data")(p)
+    out = jax.jit(jax.vmap(lambda q: sync.update(q, sync.init(q))[0], axis_name="data"))(p)
     np.testing.assert_array_equal(out, p)
 
 
@@ -233,14 +233,15 @@ def tp_run(sync, mesh, specs, replicated_state, steps=4):
         p = {k: x[0] for k, x in p.items()}
         if not replicated_state:
             state = sync.init(p)
-        history = []
-        for t in range(steps):
-            p = {k: p[k] - np.float32(0.1) * g[k][t, 0] for k in p}
+
+        def step(carry, gt):  # in a lax.scan: the step compiles once
+            p, state = carry
+            p = {k: p[k] - np.float32(0.1) * gt[k][0] for k in p}
             p, state = sync.update(p, state)
-            history.append({k: x[None] for k, x in p.items()})
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *history), (
-            state if replicated_state else None
-        )
+            return (p, state), {k: x[None] for k, x in p.items()}
+
+        (_, state), history = scan_steps(step, (p, state), g)
+        return history, (state if replicated_state else None)
 
     fn = jax.shard_map(
         loop,

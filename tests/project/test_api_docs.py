@@ -51,20 +51,23 @@ _MISSING = [
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def site(build_once):
+    """The built site, once per test session (`build_once`, tests/conftest.py)."""
     if _MISSING:
         pytest.skip(
             f"the docs toolchain is not installed (missing {', '.join(_MISSING)}); "
             'pip install -e ".[test]" installs mkdocs-material and mkdocstrings[python]'
         )
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", "mkdocs.yml"]
-    result = subprocess.run(
-        [*command, "-d", str(out)], cwd=ROOT, capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+
+    def build(out):
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+        command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", "mkdocs.yml"]
+        result = subprocess.run(
+            [*command, "-d", str(out)], cwd=ROOT, capture_output=True, text=True, env=env
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    return build_once("site", build)
 
 
 def _page(site, path):

@@ -73,19 +73,23 @@ def index(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dists(index, tmp_path_factory):
-    """The wheel and the sdist that `python -m build` makes of a copy of the source tree."""
-    source = tmp_path_factory.mktemp("source") / "gradcomm"
-    shutil.copytree(
-        ROOT,
-        source,
-        ignore=shutil.ignore_patterns(
-            *(".git", ".*venv", "*.egg-info", "__pycache__", ".*_cache"),
-            *("build", "dist", "out", "runs", "site"),  # outputs: ignored by git, or untracked
-        ),
-    )
-    out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", out, source])
+def dists(index, build_once, tmp_path_factory):
+    """The wheel and the sdist that `python -m build` makes of a copy of the source tree,
+    built once per test session (`build_once`, tests/conftest.py), whichever worker asks."""
+
+    def build(out):
+        source = tmp_path_factory.mktemp("source") / "gradcomm"
+        shutil.copytree(
+            ROOT,
+            source,
+            ignore=shutil.ignore_patterns(
+                *(".git", ".*venv", "*.egg-info", "__pycache__", ".*_cache"),
+                *("build", "dist", "out", "runs", "site"),  # outputs: ignored by git, or untracked
+            ),
+        )
+        run([sys.executable, "-m", "build", "--outdir", out, source])
+
+    out = build_once("dists", build)
     (wheel,) = out.glob("gradcomm-*.whl")
     (sdist,) = out.glob("gradcomm-*.tar.gz")
     return wheel, sdist
@@ -151,8 +155,21 @@ def test_wheel_and_sdist_contents(dists):
     assert {f"gradcomm-{version}/{n}" for n in ("pyproject.toml", "gradcomm/py.typed")} <= names
 
 
+# The install cell's three cases run in one test, one after the other in one fresh venv:
+# making the venv takes longer than the three together, and two tests on two pytest-xdist
+# workers would make one each.
 @pytest.mark.slow
-def test_install_cell_explains_what_to_do(venv, tmp_path):
+def test_install_cell_in_a_fresh_venv(dists, venv, tmp_path):
+    """With nothing to install from, the cell says what to do and installs nothing; it
+    installs the wheel it finds and keeps jax (then does nothing); it installs the sdist
+    that GRADCOMM_SOURCE names."""
+    wheel, sdist = dists
+    install_cell_explains_what_to_do(venv, tmp_path / "explains")
+    install_cell_installs_the_wheel_and_keeps_jax(wheel, venv, tmp_path / "wheel")
+    install_cell_installs_the_sdist(sdist, venv, tmp_path / "sdist")
+
+
+def install_cell_explains_what_to_do(venv, tmp_path):
     without_gradcomm(venv)
     cell = install_cell()
     (minimum,) = re.findall(r'^JAX_MINIMUM = "([^"]+)"', cell, re.M)
@@ -179,9 +196,7 @@ def test_install_cell_explains_what_to_do(venv, tmp_path):
     assert_not_installed(venv)
 
 
-@pytest.mark.slow
-def test_install_cell_installs_the_wheel_and_keeps_jax(dists, venv, tmp_path):
-    wheel, _ = dists
+def install_cell_installs_the_wheel_and_keeps_jax(wheel, venv, tmp_path):
     without_gradcomm(venv)
     (tmp_path / "work" / "notebook").mkdir(parents=True)
     uploaded = shutil.copy(wheel, tmp_path / "work" / "notebook")  # found by the cell's search
@@ -196,9 +211,7 @@ def test_install_cell_installs_the_wheel_and_keeps_jax(dists, venv, tmp_path):
     assert again.stdout == "gradcomm is already importable here: nothing to install.\n"
 
 
-@pytest.mark.slow
-def test_install_cell_installs_the_sdist(dists, venv, tmp_path):
-    _, sdist = dists
+def install_cell_installs_the_sdist(sdist, venv, tmp_path):
     without_gradcomm(venv)
     result = run_install_cell(venv, tmp_path, env={"GRADCOMM_SOURCE": str(sdist)})
     assert result.returncode == 0, result.stdout + result.stderr

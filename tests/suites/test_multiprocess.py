@@ -43,6 +43,13 @@ def test_two_processes_match_one(tmp_path):
         )
         for i in range(2)
     ]
+    try:  # meanwhile, this process: 8 simulated devices, ppermutes
+        pairwise, text = pairwise_of_case()
+        single = np.concatenate([adasum_of_case(), pairwise])
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     logs = []
     for proc in procs:
         try:
@@ -53,9 +60,7 @@ def test_two_processes_match_one(tmp_path):
             raise
     for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log[-3000:]
-    pairwise, text = pairwise_of_case()  # this process: 8 simulated devices, ppermutes
     assert "reduce-scatter(" not in text and "collective-permute(" in text
-    single = np.concatenate([adasum_of_case(), pairwise])
     for out in outs:
         np.testing.assert_array_equal(np.load(out), single)
     # Both processes took the slowest one's times, so chose alike, and "auto" followed.

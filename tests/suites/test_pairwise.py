@@ -257,6 +257,11 @@ def test_adasum_pairwise_on_one_device_is_the_identity():
 @pytest.mark.parametrize(("n", "layout"), [(2, "axis"), (4, "factored")])
 def test_adasum_pairwise_is_bit_identical_with_the_same_bytes_and_no_ppermute(n, layout):
     tree = hard_tree(n)
+    if layout == "axis":  # each dtype is a flat buffer of its own, which the compiler pays
+        # for: on the one axis, the float32 and the special leaves (a bfloat16 one among
+        # them). The bfloat16 and float16 groups' arithmetic is the factored run's, and
+        # their exchanges on either layout, bit for bit, are the exchange test's above.
+        tree = {k: tree[k] for k in ("f32", "special")}
     expected, permute_text = run(adasum_fn("permute"), n, False, tree, out_replicated=True)
     got, text = run(adasum_fn("pairwise"), n, layout, tree, out_replicated=True)
     assert_same_bits(got, expected)

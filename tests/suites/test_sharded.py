@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import FSDP_SPECS, mlp_loss, mlp_problem
-from jax.sharding import AxisType, NamedSharding
+from helpers import FSDP_SPECS, mlp_loss, mlp_problem, run_on_mesh
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import gradcomm
@@ -80,29 +80,6 @@ def _grads(dtype=np.float32, seed=0):
     return {k: rng.standard_normal((STEPS, 4, *s)).astype(dtype) for k, s in SHAPES.items()}
 
 
-def _run(tx, mesh, specs, grads, check_vma=True):
-    """STEPS updates of `tx` per device; outputs stacked (steps, devices, ...)."""
-    in_specs = {k: P(None, "data", *specs[k]) for k in grads}
-
-    def body(g):
-        g = jax.tree.map(lambda x: x[:, 0], g)
-        params = jax.tree.map(lambda x: x[0] * 0, g)  # per device, typed like the grads
-        state = tx.init(params)
-        outs = []
-        for t in range(STEPS):
-            out, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, params)
-            outs.append(out)
-        return jax.tree.map(lambda *xs: jax.numpy.stack(xs)[:, None], *outs)
-
-    f = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs, check_vma=check_vma
-        )
-    )
-    placed = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in grads.items()}
-    return jax.tree.map(np.asarray, f(placed))
-
-
 def _relative(got, want):
     scale = np.abs(want).max()
     return float(np.abs(got - want).max() / scale) if scale else float(np.abs(got).max())
@@ -133,8 +110,8 @@ def test_whole_tensor_semantics_on_a_model_axis(name):
     case = CASES[name]
     one, two = _meshes()
     grads = _grads()
-    want = _run(case.make(None), one, {k: P() for k in SPECS}, grads)
-    got = _run(case.make(SPECS), two, SPECS, grads)
+    want = run_on_mesh(case.make(None), grads, one, {k: P() for k in SPECS})
+    got = run_on_mesh(case.make(SPECS), grads, two, SPECS)
     for k in SHAPES:
         assert got[k].shape == want[k].shape
         assert np.isfinite(got[k]).all()
@@ -146,7 +123,7 @@ def test_whole_tensor_semantics_on_a_model_axis(name):
 def test_unchecked_types_raise_instead_of_a_per_shard_result(name):
     _, two = _meshes()
     with pytest.raises(ValueError, match="check_vma"):
-        _run(CASES[name].make(SPECS), two, SPECS, _grads(), check_vma=False)
+        run_on_mesh(CASES[name].make(SPECS), _grads(), two, SPECS, check_vma=False)
 
 
 # ------------------------------------------------------------------------------------------
