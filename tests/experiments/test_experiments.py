@@ -88,19 +88,16 @@ STUDIES = {
 }
 
 
-@functools.cache
 def script_env():
     """The environment a script runs in: its own device count, and XLA's CPU codegen at its
     cheapest: LLVM's optimizations off (`jax_disable_most_optimizations`) and the older
-    fusion emitters, where this XLA has the flag. These tiny runs spend most of their time
-    compiling (more than twice as long without); the HLO passes, and so the collectives
-    gradcomm.wire reads, are the same, and so are the results."""
+    fusion emitters, where this XLA has the flag (the script server drops it where not).
+    These tiny runs spend most of their time compiling (more than twice as long without);
+    the HLO passes, and so the collectives gradcomm.wire reads, are the same, and so are the
+    results."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    cheap = env | {"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"}
-    probe = [sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"]
-    known = subprocess.run(probe, env=cheap, capture_output=True, timeout=120, check=False)
-    return cheap if known.returncode == 0 else env  # an unknown flag aborts XLA
+    return env | {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+                  "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"}  # fmt: skip
 
 
 def import_script(script):
@@ -125,10 +122,12 @@ import json, os, runpy, signal, sys, time, traceback
 import flax.linen, gradcomm, jax, matplotlib.pyplot, optax, tqdm.auto
 import sklearn.datasets, sklearn.model_selection
 
-def child(argv, out, err):
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for path, fd in ((out, 1), (err, 2)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+def child(argv, out, err):  # never returns
+    written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for path, fd, flags in ((os.devnull, 0, os.O_RDONLY), (out, 1, written), (err, 2, written)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
     try:
         runpy.run_path(argv[0], run_name="__main__")
@@ -145,13 +144,29 @@ def child(argv, out, err):
     sys.stderr.flush()
     os._exit(code)
 
+def xla_takes_its_flags():  # an unknown flag in XLA_FLAGS aborts XLA
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            jax.jit(lambda x: x + 1)(1.0)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+if not xla_takes_its_flags():
+    del os.environ["XLA_FLAGS"]
 children, parent = set(), os.getppid()
 for line in sys.stdin:
     request = json.loads(line)
     if "argv" in request:
         pid = os.fork()
         if pid == 0:
-            child(request["argv"], request["out"], request["err"])
+            try:
+                child(request["argv"], request["out"], request["err"])
+            finally:
+                os._exit(1)
         children.add(pid)
         reply = {"pid": pid}
     else:
@@ -166,8 +181,10 @@ for line in sys.stdin:
         children.discard(pid)
         reply = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": not done}
     print(json.dumps(reply), flush=True)
-for pid in children:
+for pid in children:  # started, never waited for: the test process has finished
     os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+os._exit(0)
 """
 
 

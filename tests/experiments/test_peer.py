@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_experiments import import_script
+from test_experiments import import_script, main_in_process
 
 from gradcomm_experiments import provenance
 from gradcomm_experiments.network import cluster as netcluster
@@ -103,19 +103,14 @@ def test_help_lists_peer_and_threads(capsys):
     assert args.peer is False and args.threads is None
 
 
-def test_peer_without_torch_exits_2_with_the_install_hint(tmp_path):
-    # torch made unimportable in the script's process (None in sys.modules: ImportError).
+def test_peer_without_torch_exits_2_with_the_install_hint(tmp_path, monkeypatch, capsys):
+    # torch made unimportable (None in sys.modules: ImportError); the script runs here, as
+    # its flags are checked before it touches a device.
     out = tmp_path / "never-written"
-    code = (
-        "import runpy, sys; sys.modules['torch'] = None; "
-        f"sys.argv = [{str(SCRIPT)!r}, '--peer', '--nodes', '2', '--out', {str(out)!r}]; "
-        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 2, result.stderr
-    message = result.stderr.strip()
+    monkeypatch.setitem(sys.modules, "torch", None)
+    args = ["--peer", "--nodes", "2", "--out", str(out)]
+    assert main_in_process("bench_network.py", *args, monkeypatch=monkeypatch) == 2
+    message = capsys.readouterr().err.strip()
     assert message.startswith("bench_network: --peer needs PyTorch") and "\n" not in message
     assert 'pip install -e ".[peer]"' in message
     assert "CPU-only" in message and "download.pytorch.org/whl/cpu" in message

@@ -43,16 +43,31 @@ def reference_tree(tree):
     )
 
 
-# The small property tests below share one program per device count: two float32 leaves of
-# PROBE elements, {"a": (n, PROBE), "b": (n, PROBE)} (data are arguments, not constants).
+# The 16-bit formats at one device, a fold and three levels; float32 at every count of
+# MIXED_N (each format is its own buffer: a format adds a program's worth of work). N = 4
+# (two levels, no fold) has its float64 reference in test_result_is_typed_replicated...
+# and test_orthogonality_measure; three folds (N = 7) fold as two do (N = 6).
+LOW_PRECISION_N = (1, 3, 8)
+MIXED_N = (1, 2, 3, 5, 6, 8)
+# Beside the mixed leaves, two float32 leaves of PROBE elements ("probe": {"a", "b"}) on
+# which the property checks below put their inputs, in the same program (one per N).
 PROBE = 40
 
 
+def mixed_tree(rng, n):
+    """The mixed leaves of the formats at n (random_tree) and the two probe leaves."""
+    tree = random_tree(rng, n, DTYPES if n in LOW_PRECISION_N else {"f32": DTYPES["f32"]})
+    tree["probe"] = {k: rng.standard_normal((n, PROBE)).astype(np.float32) for k in "ab"}
+    return tree
+
+
 def probe(n, a, b):
-    """`reduce_fn` on the probe tree: leaves a and b as float32 `(n, PROBE)`."""
-    tree = {"a": np.asarray(a, np.float32), "b": np.asarray(b, np.float32)}
-    assert all(x.shape == (n, PROBE) for x in tree.values())
-    return per_device(reduce_fn, n, tree)
+    """`reduce_fn` on the probe leaves a and b as float32 `(n, PROBE)`, the mixed leaves
+    beside them zero (Adasum is per leaf): N's program of test_matches_reference...."""
+    tree = jax.tree.map(np.zeros_like, mixed_tree(np.random.default_rng(0), n))
+    tree["probe"] = {"a": np.asarray(a, np.float32), "b": np.asarray(b, np.float32)}
+    assert all(x.shape == (n, PROBE) for x in tree["probe"].values())
+    return per_device(reduce_fn, n, tree)["probe"]
 
 
 def padded(g):
@@ -72,51 +87,8 @@ def assert_same_on_every_device(out):
             np.testing.assert_array_equal(row, leaf[0])
 
 
-# The 16-bit formats at one device, one level, a fold and three levels; float32 at every
-# count (each format is its own buffer: a format adds a program's worth of work).
-LOW_PRECISION_N = (1, 2, 3, 8)
-
-
-@pytest.mark.parametrize("n", range(1, 9))
-def test_matches_reference_on_mixed_pytree(n):
-    """fp32 to rtol 1e-5 at every N; bf16 and fp16 (at LOW_PRECISION_N) within a derived
-    normwise bound.
-
-    Each of the ceil(log2 N) levels of the tree (the fold counts as one) rounds its result
-    to the wire dtype once, a relative error of at most u (the unit roundoff) per element,
-    so at most u * |x_level| in norm. A level's result has norm at most 1.5 times the sum
-    of its inputs' norms (|AS(a, b)| <= |a| + |b| + |a.b| (1/|a| + 1/|b|) / 2), and later
-    levels pass an error on with a gain near 1 for these inputs. With a factor 4 for those
-    gains, the error of each leaf obeys
-        |y - y_ref|_2 <= 4 * ceil(log2 N) * u * sum_i |g_i|_2.
-    The dot products are accumulated in float32, whose error is far below this bound.
-    """
-    rng = np.random.default_rng(n)
-    dtypes = DTYPES if n in LOW_PRECISION_N else {"f32": DTYPES["f32"]}
-    tree = random_tree(rng, n, dtypes)
-    out = per_device(reduce_fn, n, tree)
-    assert_same_on_every_device(out)
-    ref = reference_tree(tree)
-    levels = math.ceil(math.log2(n))
-    for name in dtypes:
-        for leaf in SHAPES:
-            y, y_ref = out[name][leaf][0], ref[name][leaf]
-            assert y.dtype == tree[name][leaf].dtype
-            if n == 1:
-                np.testing.assert_array_equal(y, tree[name][leaf][0])
-                continue
-            y = y.astype(np.float64)
-            if name == "f32":
-                scale = np.abs(y_ref).max()
-                np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5 * scale)
-            else:
-                inputs = tree[name][leaf].astype(np.float64).reshape(n, -1)
-                bound = 4 * levels * UNIT[name] * np.linalg.norm(inputs, axis=1).sum()
-                assert np.linalg.norm(y - y_ref) <= bound, (name, leaf)
-
-
-@pytest.mark.parametrize("n", [2, 6, 8])  # 6: two devices fold (5 in the reference test)
-def test_orthogonal_inputs_give_the_sum(n):
+# The properties held on the probe leaves, each at some device counts (the checks below).
+def orthogonal_inputs_give_the_sum(n):
     """Disjoint supports make every dot product exactly 0: the result is the exact sum."""
     g = np.zeros((n, PROBE), np.float32)
     rng = np.random.default_rng(0)
@@ -129,8 +101,7 @@ def test_orthogonal_inputs_give_the_sum(n):
     np.testing.assert_allclose(out["b"][0], reference.adasum(list(other)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n", [2, 8, 3, 6])  # powers of two, one fold, two folds
-def test_parallel_inputs_with_unequal_and_negative_scales(n):
+def parallel_inputs_with_unequal_and_negative_scales(n):
     """g_i = c_i v: the mean for a power-of-two N (the fold weights it otherwise)."""
     rng = np.random.default_rng(1)
     v, w = rng.standard_normal((2, PROBE))
@@ -142,6 +113,122 @@ def test_parallel_inputs_with_unequal_and_negative_scales(n):
         if n & (n - 1) == 0:
             np.testing.assert_allclose(got, scales.mean() * base, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got, reference.adasum(list(x)), rtol=1e-5, atol=1e-6)
+
+
+def scale_equivariance_across_devices(n):
+    g = np.random.default_rng(3).standard_normal((n, PROBE)).astype(np.float32)
+    out = probe(n, g, g / 4)
+    scaled = probe(n, 8 * g, 2 * g)  # a power of two: exactly
+    np.testing.assert_array_equal(scaled["a"][0], 8 * out["a"][0])
+    np.testing.assert_array_equal(scaled["b"][0], 8 * out["b"][0])
+
+
+def zero_leaves(n):
+    """All-zero leaves stay exactly zero; one device's zero leaf gets coefficient 1."""
+    g = padded(np.random.default_rng(5).standard_normal((n, 9)).astype(np.float32))
+    g[1] = 0  # one device's leaf is zero
+    out = probe(n, np.zeros((n, PROBE)), g)
+    np.testing.assert_array_equal(out["a"][0], 0)
+    np.testing.assert_allclose(out["b"][0], reference.adasum(list(g)), rtol=1e-5)
+
+
+def tiny_and_huge_magnitudes_in_fp32(n):
+    """Squares of 1e-30 underflow and of 1e30 overflow in fp32; scaling avoids both."""
+    rng = np.random.default_rng(6)
+    tiny, huge = ((rng.standard_normal((n, PROBE)) * m).astype(np.float32) for m in (1e-30, 1e30))
+    out = probe(n, tiny, huge)
+    for g32, got in ((tiny, out["a"][0]), (huge, out["b"][0])):
+        got = got.astype(np.float64)
+        ref = reference.adasum(list(g32.astype(np.float64)))
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def devices_of_very_different_magnitudes(n):
+    """A parallel pair 1e-30 v and 1e30 v must average, not drop the tiny one."""
+    v = np.random.default_rng(7).standard_normal(PROBE)
+    g = np.stack([1e-30 * v, 1e30 * v]).astype(np.float32)
+    out = probe(n, g, g[::-1])  # and the huge one first
+    for x, got in ((g, out["a"][0]), (g[::-1], out["b"][0])):
+        want = reference.adasum(list(x.astype(np.float64)))
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5)
+
+
+def non_finite_input_poisons_only_its_leaf(n):
+    """A NaN, an inf or a -inf on the last device (folded away for n = 6)."""
+    rng = np.random.default_rng(8)
+    for bad in (np.nan, np.inf, -np.inf):
+        hit = rng.standard_normal((n, PROBE)).astype(np.float32)
+        clean = rng.standard_normal((n, PROBE)).astype(np.float32)
+        hit[n - 1, 2] = bad
+        out = probe(n, hit, clean)
+        assert not np.isfinite(out["a"]).any(), bad
+        want = reference.adasum(list(clean))
+        np.testing.assert_allclose(out["b"][0], want, rtol=1e-5, atol=1e-6, err_msg=str(bad))
+
+
+# Powers of two, one fold, two folds; the extremes where every level adds rounding.
+PROBE_CHECKS = {
+    2: (
+        orthogonal_inputs_give_the_sum,
+        parallel_inputs_with_unequal_and_negative_scales,
+        devices_of_very_different_magnitudes,
+        non_finite_input_poisons_only_its_leaf,
+    ),
+    3: (parallel_inputs_with_unequal_and_negative_scales, zero_leaves),
+    6: (
+        orthogonal_inputs_give_the_sum,
+        parallel_inputs_with_unequal_and_negative_scales,
+        non_finite_input_poisons_only_its_leaf,
+    ),
+    8: (
+        orthogonal_inputs_give_the_sum,
+        parallel_inputs_with_unequal_and_negative_scales,
+        scale_equivariance_across_devices,
+        zero_leaves,
+        tiny_and_huge_magnitudes_in_fp32,
+        non_finite_input_poisons_only_its_leaf,
+    ),
+}
+
+
+@pytest.mark.parametrize("n", MIXED_N)
+def test_matches_reference_on_mixed_pytree(n):
+    """fp32 to rtol 1e-5 at every N; bf16 and fp16 (at LOW_PRECISION_N) within a derived
+    normwise bound; then, in the same program, the properties of PROBE_CHECKS[n].
+
+    Each of the ceil(log2 N) levels of the tree (the fold counts as one) rounds its result
+    to the wire dtype once, a relative error of at most u (the unit roundoff) per element,
+    so at most u * |x_level| in norm. A level's result has norm at most 1.5 times the sum
+    of its inputs' norms (|AS(a, b)| <= |a| + |b| + |a.b| (1/|a| + 1/|b|) / 2), and later
+    levels pass an error on with a gain near 1 for these inputs. With a factor 4 for those
+    gains, the error of each leaf obeys
+        |y - y_ref|_2 <= 4 * ceil(log2 N) * u * sum_i |g_i|_2.
+    The dot products are accumulated in float32, whose error is far below this bound.
+    """
+    rng = np.random.default_rng(n)
+    tree = mixed_tree(rng, n)
+    out = per_device(reduce_fn, n, tree)
+    assert_same_on_every_device(out)
+    ref = reference_tree(tree)
+    levels = math.ceil(math.log2(n))
+    for name, leaves in tree.items():
+        for leaf, x in leaves.items():
+            y, y_ref = out[name][leaf][0], ref[name][leaf]
+            assert y.dtype == x.dtype
+            if n == 1:
+                np.testing.assert_array_equal(y, x[0])
+                continue
+            y = y.astype(np.float64)
+            if x.dtype == np.float32:
+                scale = np.abs(y_ref).max()
+                np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5 * scale)
+            else:
+                inputs = x.astype(np.float64).reshape(n, -1)
+                bound = 4 * levels * UNIT[name] * np.linalg.norm(inputs, axis=1).sum()
+                assert np.linalg.norm(y - y_ref) <= bound, (name, leaf)
+    for check in PROBE_CHECKS.get(n, ()):
+        check(n)
 
 
 @pytest.mark.parametrize("c", [4.0, 2.0**-20, 3.7, -1.3])
@@ -157,14 +244,6 @@ def test_scale_equivariance_of_the_pair(c):
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), scaled, expected)
 
 
-def test_scale_equivariance_across_devices():
-    g = np.random.default_rng(3).standard_normal((8, PROBE)).astype(np.float32)
-    out = probe(8, g, g / 4)
-    scaled = probe(8, 8 * g, 2 * g)  # a power of two: exactly
-    np.testing.assert_array_equal(scaled["a"][0], 8 * out["a"][0])
-    np.testing.assert_array_equal(scaled["b"][0], 8 * out["b"][0])
-
-
 def test_pair_matches_reference_and_checks_its_arguments():
     rng = np.random.default_rng(4)
     a, b = rng.standard_normal((2, 3, 7))
@@ -176,66 +255,11 @@ def test_pair_matches_reference_and_checks_its_arguments():
         gradcomm.adasum_pair(jnp.ones(2), jnp.ones(3))
 
 
-def test_zero_leaves():
-    """AS(0, b) = b: zero operands get coefficient 1; all-zero leaves stay exactly zero."""
-    rng = np.random.default_rng(5)
-    b = rng.standard_normal(9).astype(np.float32)
+def test_zero_operands_of_the_pair():
+    """AS(0, b) = b: zero operands get coefficient 1 (on devices: zero_leaves)."""
+    b = np.random.default_rng(5).standard_normal(9).astype(np.float32)
     np.testing.assert_array_equal(pair_fn(jnp.zeros(9), jnp.asarray(b)), b)
     np.testing.assert_array_equal(pair_fn(jnp.asarray(b), jnp.zeros(9)), b)
-    for n in (3, 8):
-        g = padded(rng.standard_normal((n, 9)).astype(np.float32))
-        g[1] = 0  # one device's leaf is zero
-        out = probe(n, np.zeros((n, PROBE)), g)
-        np.testing.assert_array_equal(out["a"][0], 0)
-        np.testing.assert_allclose(out["b"][0], reference.adasum(list(g)), rtol=1e-5)
-
-
-def test_tiny_and_huge_magnitudes_in_fp32():
-    """Squares of 1e-30 underflow and of 1e30 overflow in fp32; scaling avoids both."""
-    rng = np.random.default_rng(6)
-    tiny, huge = ((rng.standard_normal((8, PROBE)) * m).astype(np.float32) for m in (1e-30, 1e30))
-    out = probe(8, tiny, huge)
-    for g32, got in ((tiny, out["a"][0]), (huge, out["b"][0])):
-        got = got.astype(np.float64)
-        ref = reference.adasum(list(g32.astype(np.float64)))
-        assert np.all(np.isfinite(got))
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-
-
-def test_devices_of_very_different_magnitudes():
-    """A parallel pair 1e-30 v and 1e30 v must average, not drop the tiny one."""
-    v = np.random.default_rng(7).standard_normal(PROBE)
-    g = np.stack([1e-30 * v, 1e30 * v]).astype(np.float32)
-    out = probe(2, g, g[::-1])  # and the huge one first
-    for x, got in ((g, out["a"][0]), (g[::-1], out["b"][0])):
-        want = reference.adasum(list(x.astype(np.float64)))
-        np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5)
-
-
-@pytest.mark.parametrize("n", [2, 6, 8])
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_input_poisons_only_its_leaf(n, bad):
-    rng = np.random.default_rng(8)
-    hit = rng.standard_normal((n, PROBE)).astype(np.float32)
-    clean = rng.standard_normal((n, PROBE)).astype(np.float32)
-    hit[n - 1, 2] = bad  # the last device: folded away for n = 6
-    out = probe(n, hit, clean)
-    assert not np.isfinite(out["a"]).any()
-    np.testing.assert_allclose(out["b"][0], reference.adasum(list(clean)), rtol=1e-5, atol=1e-6)
-
-
-def test_hierarchical_equals_adasum_over_node_means():
-    mesh = parallel.make_mesh({"node": 4, "local": 2})
-    tx = gradcomm.adasum("node", local_axis="local")
-    g = np.random.default_rng(9).standard_normal((8, 3, 5)).astype(np.float32)
-
-    def body(x):
-        return tx.update(x[0], tx.init(x[0]))[0]
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("node", "local")), out_specs=P()))
-    out = np.asarray(f(parallel.shard_batch(g, mesh)))
-    node_means = [g[2 * k : 2 * k + 2].astype(np.float64).mean(0) for k in range(4)]
-    np.testing.assert_allclose(out, reference.adasum(node_means), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n", [3])  # a fold; powers of two: the shard_map tests
@@ -350,18 +374,26 @@ def test_unknown_axis_and_non_float_leaf_raise_at_trace_time():
         run(gradcomm.adasum("data", local_axis="local"), {"w": np.ones((2, 3), np.float32)})
 
 
-def test_hierarchical_sends_one_share_of_the_flat_traffic_across_nodes():
-    """Each of a node's 2 devices carries half of what one device per node would send."""
-    g = np.ones((8, 1 << 16), np.float32)
+def test_hierarchical_equals_adasum_over_node_means_and_sends_a_share_across_nodes():
+    """Hierarchical Adasum is Adasum over the node means (float64 reference), and each of a
+    node's 2 devices carries half of what one device per node would send across nodes
+    (the programs whose bytes are read are the ones run)."""
+    g = np.random.default_rng(9).standard_normal((8, 1 << 16)).astype(np.float32)
 
-    def report(axes, tx):
+    def compiled(axes, tx):
         mesh = parallel.make_mesh(axes, devices=jax.devices()[: int(np.prod(list(axes.values())))])
         body = lambda x: tx.update(x[0], tx.init(x[0]))[0]  # noqa: E731
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(tuple(axes)), out_specs=P()))
-        return gradcomm.wire.measure(f, parallel.shard_batch(g[: mesh.size], mesh))
+        x = parallel.shard_batch(g[: mesh.size], mesh)
+        return gradcomm.wire.measure(f, x), f, x
 
-    hierarchical = report({"node": 4, "local": 2}, gradcomm.adasum("node", local_axis="local"))
-    flat = report({"data": 4}, gradcomm.adasum("data"))
+    hierarchical, f, x = compiled(
+        {"node": 4, "local": 2}, gradcomm.adasum("node", local_axis="local")
+    )
+    node_means = [g[2 * k : 2 * k + 2].astype(np.float64).mean(0) for k in range(4)]
+    want = reference.adasum(node_means)
+    np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    flat, _, _ = compiled({"data": 4}, gradcomm.adasum("data"))
     big = lambda c: c.payload > 1024  # noqa: E731  (not the per-leaf statistics)
     across = sum(c.sent for c in hierarchical.collectives if c.group_size != 2 and big(c))
     assert across == sum(c.sent for c in flat.collectives if big(c)) / 2

@@ -265,14 +265,15 @@ def test_float16_overflow_is_flagged(exchange):
     assert state.overflow.all() and (state.overflow_count == 1).all()
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("bad", [np.inf, np.nan])
 @pytest.mark.parametrize("exchange", ["auto", "ring"])
-def test_non_finite_inputs_are_not_overflow(dtype, bad, exchange):
-    (out,), state = _steps(dtype, [[bad, 1.0], [1.0, 1.0]], exchange=exchange)
-    assert not np.isfinite(out[:, 0]).any()
-    np.testing.assert_array_equal(out[:, 1], [1.0, 1.0])
-    assert not state.overflow.any() and not state.overflow_count.any()
+def test_non_finite_inputs_are_not_overflow(exchange):
+    """An inf or a NaN in either format (one program per format and exchange)."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for bad in (np.inf, np.nan):
+            (out,), state = _steps(dtype, [[bad, 1.0], [1.0, 1.0]], exchange=exchange)
+            assert not np.isfinite(out[:, 0]).any(), (dtype, bad)
+            np.testing.assert_array_equal(out[:, 1], [1.0, 1.0])
+            assert not state.overflow.any() and not state.overflow_count.any()
 
 
 def test_bfloat16_overflow_is_flagged():
@@ -330,16 +331,18 @@ def test_float64_inputs(dtype):
         assert (err <= tolerance(rows, 3, dtype)).all()
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("exchange", ["auto", "ring"])
-def test_shard_map_pmap_and_vmap_agree(dtype, exchange):
+def test_shard_map_pmap_and_vmap_agree(exchange):
+    """Both formats (one program per way of mapping)."""
     n = 3
     rows = {"w": _rows(n, seed=7)["w"]}
-    run = (RUN if exchange == "auto" else RING)[dtype]
-    expected, _ = per_device(run, n, rows)
+    run = _both if exchange == "auto" else _rings
+    expected = per_device(run, n, rows)
     for mapped in (jax.pmap(run, axis_name="data"), jax.jit(jax.vmap(run, axis_name="data"))):
-        out, _ = mapped(rows)
-        np.testing.assert_array_equal(np.asarray(out["w"]), expected["w"])
+        out = mapped(rows)
+        for dtype in (BF16, F16):
+            got, want = out[dtype.name][0]["w"], expected[dtype.name][0]["w"]
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=dtype.name)
 
 
 def test_in_a_train_step_the_state_is_replicated():
@@ -467,16 +470,34 @@ def ring_scheme(rows, wire):
     )
 
 
+@functools.cache
+def _rings_step(n):
+    """Both formats' rings over n devices as one jitted program, `(means, states)`: the
+    means per device, the states replicated. Its wire is read from the program it runs."""
+
+    def body(t):
+        means, states = {}, {}
+        for d in (BF16, F16):
+            mean, states[d.name] = RING[d]({k: x[0] for k, x in t.items()})
+            means[d.name] = {k: x[None] for k, x in mean.items()}
+        return means, states
+
+    mapped = jax.shard_map(body, mesh=mesh_of(n), in_specs=P("data"), out_specs=(P("data"), P()))
+    return jax.jit(mapped)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 8])  # none, one, an odd count, the largest
 def test_ring_sums_around_a_one_way_ring(n):
     """`exchange="ring"`, for both formats and any n: exactly the ring's partial sums of
     the scaled 16-bit values, within (n + 1) u mean|x| of the float64 mean, the same bits
-    on every device, through n - 1 one-way permutes and one all-gather that send
-    (n - 1) / n of the 16-bit buffer each (plus the flag word)."""
+    on every device, through n - 1 one-way permutes and one all-gather per format that
+    send (n - 1) / n of the 16-bit buffer each (plus the flag word)."""
     rows = _rows(n, seed=30 + n)
-    results = per_device(_rings, n, rows)
+    step = _rings_step(n)
+    placed = jax.device_put(rows, NamedSharding(mesh_of(n), P("data")))
+    means, states = jax.tree.map(np.asarray, step(placed))
     for dtype in (BF16, F16):
-        out, state = results[dtype.name]
+        out, state = means[dtype.name], states[dtype.name]
         model = ring_scheme(rows, dtype)
         for key, x in rows.items():
             got = out[key]
@@ -485,13 +506,12 @@ def test_ring_sums_around_a_one_way_ring(n):
             err = np.abs(got[0].astype(np.float64) - reference_mean(x))
             assert (err <= rounded_sums_bound(x, n, dtype)).all(), (dtype, key, err.max())
         assert not state.overflow.any()
-    shapes = list(SHAPES.values())
-    padded = -(-sum(int(np.prod(s)) for s in shapes) // n) * n
-    for dtype in (BF16, F16) if n > 1 else ():  # XLA:CPU widens a bfloat16 permute
-        report = _wire(_with_state(low_precision("data", dtype, "ring")), n, shapes)
+    if n > 1:  # the two formats' rings, side by side
+        padded = -(-sum(int(np.prod(s)) for s in SHAPES.values()) // n) * n
+        report = wire.measure(step, placed)
         kinds = [c.kind for c in report.collectives for _ in range(c.count)]
-        assert sorted(kinds) == ["all-gather"] + ["collective-permute"] * (n - 1)
-        assert report.total == pytest.approx(2 * (n - 1) / n * 2 * padded + 2 * (n - 1))
+        assert sorted(kinds) == ["all-gather"] * 2 + ["collective-permute"] * 2 * (n - 1)
+        assert report.total == pytest.approx(2 * (2 * (n - 1) / n * 2 * padded + 2 * (n - 1)))
 
 
 def test_auto_on_gloo_is_pairwise_at_two_and_the_ring_above(monkeypatch):
@@ -529,16 +549,17 @@ def _model_rows(seed, big=None):
     return rows
 
 
-def _on_mesh(exchange, mesh, data, specs, rows):
-    """Both formats' means, each leaf whole (data device, ...), and every device's flag."""
-    return _mesh_step(exchange, mesh, data, tuple(specs.items()))(rows)
+def _on_mesh(exchanges, mesh, data, specs, rows):
+    """Both formats' means by each of `exchanges`, keyed "exchange-dtype", each leaf whole
+    (data device, ...), and every device's flag."""
+    return _mesh_step(exchanges, mesh, data, tuple(specs.items()))(rows)
 
 
 @functools.cache
-def _mesh_step(exchange, mesh, data, specs):
+def _mesh_step(exchanges, mesh, data, specs):
     """`_on_mesh`'s compiled step on (leaf, spec) pairs `specs`, reused across inputs."""
     specs = dict(specs)
-    txs = {d.name: low_precision(data, d, exchange) for d in (BF16, F16)}
+    txs = {f"{e}-{d.name}": low_precision(data, d, e) for e in exchanges for d in (BF16, F16)}
     leaf_specs = {k: P(data, *specs[k]) for k in specs}
     every = P(tuple(mesh.axis_names))
 
@@ -591,8 +612,13 @@ def _ring_on_model_axis(rows, wire):
     return whole
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
-def test_leaves_sharded_over_a_model_axis(exchange):
+# The exchanges of one process in one program; the pairwise scheme on its own mesh axes.
+# ("auto" is the all-to-all for bfloat16 and psum for float16 here: the same jaxprs.)
+MODEL_GROUPS = {"one_process": ("all_to_all", "psum", "ring"), "pairwise": ("pairwise",)}
+
+
+@pytest.mark.parametrize("group", MODEL_GROUPS)
+def test_leaves_sharded_over_a_model_axis(group):
     """On a (data 4, model 2) mesh, with leaves sharded over 'model' beside one replicated
     over it, every exchange keeps each leaf's type (the replicated one leaves the map as
     replicated over 'model', the state as replicated over every axis) and gives the bits
@@ -601,21 +627,48 @@ def test_leaves_sharded_over_a_model_axis(exchange):
     in the buffer, and a piece lies elsewhere than in the whole tensor: it gives the
     ring's model of the buffers it exchanges, the replicated leaf and each model device's
     pieces. A float16 overflow in one model shard is flagged on every device."""
-    data, two, one = _model_meshes(exchange)
+    exchanges = MODEL_GROUPS[group]
+    data, two, one = _model_meshes(exchanges[0])
     rows = _model_rows(seed=40)
-    got = _on_mesh(exchange, two, data, MODEL_SPECS, rows)
-    want = _on_mesh(exchange, one, data, {k: P() for k in MODEL_SPECS}, rows)
-    for dtype in (BF16, F16):
-        (mean, overflow), (whole, _) = got[dtype.name], want[dtype.name]
-        model = _ring_on_model_axis(rows, dtype) if exchange == "ring" else None
-        for key, x in rows.items():
-            assert mean[key].dtype == x.dtype and _same_bits(mean[key]), (dtype, key)
-            expected = whole[key] if model is None else model[key].astype(x.dtype)[None]
-            np.testing.assert_array_equal(mean[key], np.broadcast_to(expected, x.shape))
-        assert not overflow.any()
-    big = _on_mesh(exchange, two, data, MODEL_SPECS, _model_rows(seed=41, big=7e5))
-    assert big[F16.name][1].all()  # the mean 1.75e5 overflows float16 on all 8 devices
-    assert not big[BF16.name][1].any()
+    got = _on_mesh(exchanges, two, data, MODEL_SPECS, rows)
+    want = _on_mesh(exchanges, one, data, {k: P() for k in MODEL_SPECS}, rows)
+    for exchange in exchanges:
+        for dtype in (BF16, F16):
+            name = f"{exchange}-{dtype.name}"
+            (mean, overflow), (whole, _) = got[name], want[name]
+            model = _ring_on_model_axis(rows, dtype) if exchange == "ring" else None
+            for key, x in rows.items():
+                assert mean[key].dtype == x.dtype and _same_bits(mean[key]), (name, key)
+                expected = whole[key] if model is None else model[key].astype(x.dtype)[None]
+                np.testing.assert_array_equal(mean[key], np.broadcast_to(expected, x.shape))
+            assert not overflow.any()
+    big = _on_mesh(exchanges, two, data, MODEL_SPECS, _model_rows(seed=41, big=7e5))
+    for exchange in exchanges:
+        assert big[f"{exchange}-{F16.name}"][1].all()  # the mean 1.75e5 overflows float16
+        assert not big[f"{exchange}-{BF16.name}"][1].any()
+    if group == "one_process":
+        assert {"auto", *(e for g in MODEL_GROUPS.values() for e in g)} == set(EXCHANGES)
+        traced = functools.partial(_traced_on_mesh, mesh=two, data=data, rows=rows)
+        assert traced("auto", BF16) == traced("all_to_all", BF16) != traced("psum", BF16)
+        assert traced("auto", F16) == traced("psum", F16) != traced("all_to_all", F16)
+
+
+def _traced_on_mesh(exchange, dtype, mesh, data, rows):
+    """The jaxpr of one format's update by `exchange` on the model mesh (not compiled)."""
+    tx = low_precision(data, dtype, exchange)
+    leaf_specs = {k: P(data, *MODEL_SPECS[k]) for k in rows}
+
+    def body(t):
+        mean, state = tx.update({k: x[0] for k, x in t.items()}, tx.init(t))
+        return {k: x[None] for k, x in mean.items()}, state.overflow[None]
+
+    out_specs = (leaf_specs, P(tuple(mesh.axis_names)))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(leaf_specs,), out_specs=out_specs)
+    shapes = {
+        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, leaf_specs[k]))
+        for k, x in rows.items()
+    }
+    return str(jax.make_jaxpr(mapped)(shapes))
 
 
 # FSDP (ZeRO-3, issue 27): leaves split over the data axes along their leading dimension
@@ -703,8 +756,9 @@ def fsdp_ring_scheme(rows, wire):
     return out
 
 
-# Every exchange at 8 devices, and between them 1, 2 and 3 (4: the train_step tests).
-FSDP_N = [("all_to_all", 1), ("all_to_all", 3), ("psum", 2), ("ring", 3)]
+# Every exchange at 8 devices, and an odd count (4: the train_step tests; at 1 a shard is
+# the whole leaf, test_allreduce_with_a_dtype_passes_specs_through splits over 2).
+FSDP_N = [("all_to_all", 3), ("ring", 3)]
 FSDP_N += [(e, 8) for e in ("all_to_all", "psum", "ring", "pairwise")]
 
 

@@ -156,8 +156,12 @@ def run(n, updates, steps, rank=RANK):
 # The reference, over steps, devices and dtypes
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+# One device, pairs, an odd count, a full byte (4: the state and train_step tests). The
+# properties of CHECKS[n] run on the same program (one per N).
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
 def test_matches_the_reference_over_three_steps(n):
+    """Outputs, residuals and Q's within float32's rounding of the float64 reference; then
+    the properties of CHECKS[n]."""
     steps = 3
     updates = random_updates(n, steps, n)
     outs, residuals, qs = run(n, updates, steps)
@@ -174,6 +178,8 @@ def test_matches_the_reference_over_three_steps(n):
         assert_close(total, updates[key].astype(np.float64).mean(0).sum(0))
     for key in DENSE:  # averaged as they are, with no residual
         np.testing.assert_array_equal(residuals[key], 0)
+    for check in CHECKS.get(n, ()):
+        check(n)
 
 
 LOW = {"w": jnp.bfloat16, "conv": jnp.float16, "thin": jnp.bfloat16, "b": jnp.float16,
@@ -200,10 +206,13 @@ def test_bfloat16_and_float16_within_their_rounding():
 # Zeros, the limits of the float range, non-finite values
 
 
-def test_zero_gradients_give_zeros_and_keep_q():
+# The properties below run on the reference test's programs (CHECKS), at n devices.
+
+
+def zero_gradients_give_zeros_and_keep_q(n):
     """Zero gradients: zero updates and residuals, no NaN, and Q kept as it was (a zero Q
     would stay zero in every later step); the next step is the reference's."""
-    n, steps = 2, 3
+    steps = 3
     updates = random_updates(n, steps, 3)
     for key in SHAPES:
         updates[key][:, :2] = 0  # two zero steps, then a random one
@@ -220,27 +229,27 @@ def test_zero_gradients_give_zeros_and_keep_q():
         assert_close(outs[key], want[key], err_msg=key)
 
 
-@pytest.mark.parametrize("scale", [1e-30, 1e30])
-def test_tiny_and_huge_float32_gradients(scale):
+def tiny_and_huge_float32_gradients(n):
     """Gradients of 1e-30 or 1e30 in float32 give the reference's result, to float32's
     precision: no product or norm under- or overflows (Q and P are scaled by powers of
     two before them)."""
-    n, steps = 2, 3
-    updates = random_updates(n, steps, 5, scale=scale)
-    outs, residuals, qs = run(n, updates, steps)
-    want, want_residuals, _ = reference(updates, initial_q())
-    for key in SHAPES:
-        assert np.isfinite(outs[key]).all()
-        assert_close(outs[key], want[key], err_msg=key)
-    for key in COMPRESSED:
-        assert np.isfinite(qs[key]).all()
-        assert_close(residuals[key], want_residuals[key], err_msg=key)
+    steps = 3
+    for scale in (1e-30, 1e30):
+        updates = random_updates(n, steps, 5, scale=scale)
+        outs, residuals, qs = run(n, updates, steps)
+        want, want_residuals, _ = reference(updates, initial_q())
+        for key in SHAPES:
+            assert np.isfinite(outs[key]).all()
+            assert_close(outs[key], want[key], err_msg=key)
+        for key in COMPRESSED:
+            assert np.isfinite(qs[key]).all()
+            assert_close(residuals[key], want_residuals[key], err_msg=key)
 
 
-def test_nan_or_inf_on_one_device_poisons_the_leaf_everywhere():
+def nan_or_inf_on_one_device_poisons_the_leaf_everywhere(n):
     """A NaN (or an infinity) in one device's leaf makes that leaf's whole update NaN on
     every device, and its Q and residuals NaN; the other leaves are untouched."""
-    n, steps = 3, 3  # the program of the reference test at n = 3
+    steps = 3
     updates = random_updates(n, steps, 6)
     updates["w"][1, 0, 2, 3] = np.nan
     updates["conv"][2, 0, 1, 1, 0, 4] = np.inf
@@ -270,9 +279,9 @@ def dense_means(updates):
     return [tx.update({k: u[t] for k, u in updates.items()}, None)[0] for t in range(steps)]
 
 
-def test_vectors_and_low_rate_leaves_are_the_dense_mean():
+def vectors_and_low_rate_leaves_are_the_dense_mean(n):
     """Leaves that are not compressed are `allreduce`'s mean, bit for bit, and keep no Q."""
-    n, steps = 4, 3  # the program of the reference test at n = 4
+    steps = 3
     updates = random_updates(n, steps, 8)
     outs, residuals, qs = run(n, updates, steps)
     dense = per_device(dense_means, n, {k: updates[k] for k in DENSE})
@@ -299,28 +308,41 @@ def test_the_compression_rule():
     assert jax.tree.structure(state.residual) == jax.tree.structure(params)
 
 
-@pytest.mark.parametrize("true_rank", [2, 1])
-def test_recovers_a_low_rank_gradient(true_rank):
+def recovers_a_low_rank_gradient(n):
     """A gradient of rank <= r, the same on every device, comes back exactly (to float32
     rounding), also where its rank is below r (P's extra column stays orthogonal). (Rank 1
     with r = 1: `powersgd`'s docstring example.)"""
-    n, steps = 2, 3
-    rng = np.random.default_rng(true_rank)
+    steps = 3
+    for true_rank in (2, 1):
+        rng = np.random.default_rng(true_rank)
 
-    def low_rank(shape):
-        rows, cols = int(np.prod(shape[:-1])), shape[-1]
-        g = rng.standard_normal((rows, true_rank)) @ rng.standard_normal((true_rank, cols))
-        return np.broadcast_to(g.reshape(shape), (n, steps, *shape)).astype(np.float32)
+        def low_rank(shape, rng=rng, true_rank=true_rank):
+            rows, cols = int(np.prod(shape[:-1])), shape[-1]
+            g = rng.standard_normal((rows, true_rank)) @ rng.standard_normal((true_rank, cols))
+            return np.broadcast_to(g.reshape(shape), (n, steps, *shape)).astype(np.float32)
 
-    updates = {k: low_rank(s) if k in COMPRESSED else random_updates(n, steps, 0)[k]
-               for k, s in SHAPES.items()}  # fmt: skip
-    outs, residuals, _ = run(n, updates, steps)  # rank 2
-    for key in COMPRESSED:
-        g = updates[key][0, 0]
-        for t in range(steps):
-            assert_close(outs[key][t], g, err_msg=key)
-            for p in range(n):  # nothing left behind
-                assert_close(residuals[key][p, t] + g, g, err_msg=key)
+        updates = {k: low_rank(s) if k in COMPRESSED else random_updates(n, steps, 0)[k]
+                   for k, s in SHAPES.items()}  # fmt: skip
+        outs, residuals, _ = run(n, updates, steps)  # rank 2
+        for key in COMPRESSED:
+            g = updates[key][0, 0]
+            for t in range(steps):
+                assert_close(outs[key][t], g, err_msg=(key, true_rank))
+                for p in range(n):  # nothing left behind
+                    assert_close(residuals[key][p, t] + g, g, err_msg=(key, true_rank))
+
+
+CHECKS = {
+    2: (
+        zero_gradients_give_zeros_and_keep_q,
+        tiny_and_huge_float32_gradients,
+        recovers_a_low_rank_gradient,
+    ),
+    3: (
+        nan_or_inf_on_one_device_poisons_the_leaf_everywhere,
+        vectors_and_low_rate_leaves_are_the_dense_mean,
+    ),
+}
 
 
 def test_orthogonalize():
@@ -445,53 +467,59 @@ def shard_map_jit(body, mesh, in_specs, out_specs, check_vma=True):
     return jax.jit(mapped)
 
 
+# float32 leaves in every layout, and float16 ones split both ways and as a vector (the
+# dtype changes what each leaf computes in, not how its pieces combine), in one tree: one
+# program per mesh. bfloat16 computes as float16 does.
+TP_DTYPES = {"f32": np.float32, "f16": jnp.float16}
+TP_KEYS = {f"{k}_f32": (k, "f32") for k in TP_SHAPES}  # key: (layout, dtype)
+TP_KEYS |= {f"{k}_f16": (k, "f16") for k in ("both", "vec")}
+
+
 @functools.cache
-def tp_results(dtype):
-    """The whole leaves' run on a 1-D mesh, and the split leaves' run, on tp_grads(dtype)."""
+def tp_results():
+    """The whole leaves' run on a 1-D mesh, and the split leaves' run, on tp_grads in
+    each dtype of TP_DTYPES (keys TP_KEYS)."""
     whole, split = tp_meshes()
-    grads = tp_grads(dtype)
+    grads = {d: tp_grads(dtype) for d, dtype in TP_DTYPES.items()}
+    grads = {key: grads[d][k] for key, (k, d) in TP_KEYS.items()}
+    specs = {key: TP_SPECS[k] for key, (k, _) in TP_KEYS.items()}
     tx = lambda specs: powersgd("data", RANK, min_compression_rate=1.0, specs=specs)  # noqa: E731
-    want = tp_run(tx(None), whole, dict.fromkeys(TP_SPECS, P()), grads)
-    got = tp_run(tx(TP_SPECS), split, TP_SPECS, grads)
-    return want, got
+    want = tp_run(tx(None), whole, dict.fromkeys(specs, P()), grads)
+    got = tp_run(tx(specs), split, specs, grads)
+    return want, got, specs
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.float16])  # bfloat16 computes as float16
-def test_sharded_leaves_give_the_whole_leaves_result(dtype):
+def test_sharded_leaves_give_the_whole_leaves_result():
     """Outputs, Q's and residuals of the split leaves within a few roundings of the whole
     leaves' (the sums run in another order); in bfloat16 and float16 the factors are in
-    float32 and the outputs and residuals are rounded to the leaf's dtype as for whole ones."""
-    (want, want_qs, want_res), (got, got_qs, got_res) = tp_results(dtype)
-    ulps = 16 if dtype == np.float32 else 2
-    for k in TP_SHAPES:
-        assert got[k].dtype == dtype and got_res[k].dtype == dtype
+    float32 and the outputs and residuals are rounded to the leaf's dtype as for whole ones.
+    A first step of zero gradients gives zero outputs, no NaN, and keeps the first Q's,
+    which are the whole leaves' first draw (the same seed and leaf index)."""
+    (want, want_qs, want_res), (got, got_qs, got_res), specs = tp_results()
+    for key, (_, d) in TP_KEYS.items():
+        dtype = TP_DTYPES[d]
+        ulps = 16 if dtype == np.float32 else 2
+        assert got[key].dtype == dtype and got_res[key].dtype == dtype
         for t in range(1, TP_STEPS):
-            scale = np.abs(np.asarray(want[k][t], np.float64)).max()
+            scale = np.abs(np.asarray(want[key][t], np.float64)).max()
             atol = ulps * float(jnp.finfo(dtype).eps) * scale
             np.testing.assert_allclose(
-                np.asarray(got[k][t], np.float64), want[k][t], rtol=0, atol=atol, err_msg=k
+                np.asarray(got[key][t], np.float64), want[key][t], rtol=0, atol=atol, err_msg=key
             )
-        scale = np.abs(np.asarray(want_res[k], np.float64)).max()
+        scale = np.abs(np.asarray(want_res[key], np.float64)).max()
         atol = ulps * float(jnp.finfo(dtype).eps) * scale
         np.testing.assert_allclose(
-            np.asarray(got_res[k], np.float64), want_res[k], rtol=0, atol=atol, err_msg=k
+            np.asarray(got_res[key], np.float64), want_res[key], rtol=0, atol=atol, err_msg=key
         )
-    assert len(got_qs) == 4  # every matrix is compressed, the vector is not
-    for got_q, want_q in zip(got_qs, want_qs, strict=True):
+        np.testing.assert_array_equal(got[key][0], 0)  # the step of zeros
+        assert np.isfinite(got[key].astype(np.float32)).all()
+    assert len(got_qs) == 5  # every matrix is compressed, the vectors are not
+    params = {key: jnp.zeros(TP_SHAPES[k], TP_DTYPES[d]) for key, (k, d) in TP_KEYS.items()}
+    tx = powersgd("data", RANK, min_compression_rate=1.0, specs=specs)
+    first = jax.jit(tx.init)(params).q  # (test_initial_q_depends_on_the_seed_alone: eager)
+    for got_q, want_q, q0 in zip(got_qs, want_qs, first, strict=True):
         assert got_q.shape == want_q.shape and got_q.dtype == np.float32  # the whole Q
         np.testing.assert_allclose(got_q, want_q, rtol=0, atol=1e-5 * np.abs(want_q).max())
-
-
-def test_zero_gradients_on_sharded_leaves_give_zeros():
-    """A step of zero gradients on the split leaves: zero outputs, no NaN, and the first
-    Q's kept, which are the whole leaves' first draw (the same seed and leaf index)."""
-    (_, want_qs, _), (got, got_qs, _) = tp_results(np.float32)
-    for k in TP_SHAPES:
-        np.testing.assert_array_equal(got[k][0], 0)
-        assert np.isfinite(got[k]).all()
-    params = {k: jnp.zeros(s) for k, s in TP_SHAPES.items()}
-    first = powersgd("data", RANK, min_compression_rate=1.0, specs=TP_SPECS).init(params).q
-    for got_q, want_q, q0 in zip(got_qs, want_qs, first, strict=True):
         np.testing.assert_array_equal(got_q[0], q0)  # init on the pieces: the whole draw
         np.testing.assert_array_equal(want_q[0], q0)
 
