@@ -21,7 +21,6 @@ from helpers import (
     run_fsdp,
     run_on_mesh,
     run_steps,
-    sharded_against_whole,
     tied,
     train_fsdp_against_replicated,
     wire_against_psum,
@@ -43,24 +42,34 @@ def steps_fn(local, drop_ratio=0.9, steps=2, warmup_steps=0):
     return run_steps(tx, steps)
 
 
+LOCALS = (None, "sum", "compensated")
+
+
+def every_local(grads):
+    """`steps_fn(local)` for each of LOCALS on the same gradients, in one program."""
+    return {str(local): steps_fn(local)(grads) for local in LOCALS}
+
+
 def random_grads(n, steps, seed):
     rng = np.random.default_rng(seed)
     return {k: rng.standard_normal((n, steps, *s)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-# Algorithm 1 (local=None) on every device count; the combinations, elementwise after the
-# same exchange, on 1, 3 and 8.
-@pytest.mark.parametrize(
-    ("local", "n"),
-    [
-        *((None, n) for n in range(1, 9)),
-        *((c, n) for c in ("sum", "compensated") for n in (1, 3, 8)),
-    ],
-)
-def test_matches_algorithm_1_and_the_combinations(n, local):
+# Algorithm 1 (local=None) and the combinations (elementwise after the same exchange), in
+# one program per device count: one device, pairs, odd counts, a full byte.
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_matches_algorithm_1_and_the_combinations(n):
     drop_ratio, steps = 0.9, 2
     grads = random_grads(n, steps, n)
-    outs, residuals = per_device(steps_fn(local, drop_ratio, steps), n, grads)
+    results = per_device(every_local, n, grads)
+    for local in LOCALS:
+        outs, residuals = results[str(local)]
+        check_against_algorithm_1(n, local, drop_ratio, steps, grads, outs, residuals)
+
+
+def check_against_algorithm_1(n, local, drop_ratio, steps, grads, outs, residuals):
+    """Every device's outputs and residuals against the float64 reference, step by step;
+    the output less the mean of what was sent is the combination's local term."""
     for leaf, shape in SHAPES.items():
         size = int(np.prod(shape))
         k = max(1, round((1 - drop_ratio) * size))
@@ -92,17 +101,20 @@ def test_nothing_dropped_and_compensated_is_the_dense_mean():
         np.testing.assert_array_equal(residuals[leaf], 0)
 
 
-@pytest.mark.parametrize("t", [0, 10, 999, 1000])
-def test_warmup_follows_the_formula(t):
+def test_warmup_follows_the_formula():
+    """At steps 0, 10, 999 and 1000 (the step is an argument: one program)."""
     drop_ratio, size = 0.99, 10_000
-    expected_rate = drop_ratio ** (1000 / (1 + t)) if t < 1000 else drop_ratio
-    np.testing.assert_allclose(drop_rate(jnp.int32(t), drop_ratio, 1000), expected_rate, rtol=1e-5)
     tx = gradcomm.gradient_dropping("data", drop_ratio=drop_ratio)
-    g = jnp.asarray(np.random.default_rng(t).standard_normal(size).astype(np.float32))
-    state = tx.init(g)._replace(count=jnp.int32(t))
-    _, state = jax.jit(jax.vmap(lambda x: tx.update(x, state), axis_name="data"))(g[None])
-    sent = int(np.sum(np.asarray(state.residual) == 0))
-    assert sent == max(1, round((1 - expected_rate) * size))
+    update = jax.jit(jax.vmap(lambda x, state: tx.update(x, state), axis_name="data"))
+    for t in (0, 10, 999, 1000):
+        expected_rate = drop_ratio ** (1000 / (1 + t)) if t < 1000 else drop_ratio
+        rate = drop_rate(jnp.int32(t), drop_ratio, 1000)
+        np.testing.assert_allclose(rate, expected_rate, rtol=1e-5)
+        g = jnp.asarray(np.random.default_rng(t).standard_normal(size).astype(np.float32))
+        state = jax.tree.map(lambda x: x[None], tx.init(g)._replace(count=jnp.int32(t)))
+        _, state = update(g[None], state)
+        sent = int(np.sum(np.asarray(state.residual) == 0))
+        assert sent == max(1, round((1 - expected_rate) * size)), t
 
 
 def test_averaging_makes_devices_bit_identical_and_they_drift_between():
@@ -167,15 +179,15 @@ def test_wire_bytes_at_drop_ratio_099():
     assert psum / report.total >= 10
 
 
-# Leaves sharded over a 'model' axis (tensor parallelism): the whole leaves' results, bit
-# for bit (the harness is test_sparse's), through the warm-up and after it.
-SHARDED = {"rows": P("model", None), "cols": P(None, "model"), "bias": P()}
-
-
-def sharded_grads(dtype, steps=2, seed=0):
-    rng = np.random.default_rng(seed)
-    shapes = {"rows": (16, 6), "cols": (5, 8), "bias": (6,)}
-    return {k: rng.standard_normal((steps, 2, *s)).astype(dtype) for k, s in shapes.items()}
+# Leaves split over a 'model' axis (tensor parallelism): the whole leaves' results, bit for
+# bit (the harness is test_sparse's), through the warm-up and after it, in each float dtype
+# with one of the combinations. Exact ties at the threshold on leaves split along a column
+# or a middle dimension: with specs, the whole leaves' entries go; without them, ties go in
+# shard-major order. Beside them, random leaves split by rows and by columns, which give
+# the whole leaves' bits with specs or without (float32's: a leaf of zeros, and a piece of
+# zeros with non-finite values).
+TIED_SPECS = {"cols": P(None, "model"), "mid": P(None, "model", None), "bias": P()}
+RANDOM_SPECS = {"rows": P("model", None), "rcols": P(None, "model"), "rbias": P()}
 
 
 def dropping_factory(local, warmup_steps=2, selector="sampled"):
@@ -189,48 +201,40 @@ def dropping_factory(local, warmup_steps=2, selector="sampled"):
     )
 
 
-# (local=None on split leaves: the ties test's first case.)
-@pytest.mark.parametrize(("local", "dtype"), [("compensated", jnp.bfloat16), ("sum", np.float16)])
-def test_sharded_leaves_in_bf16_and_fp16_give_the_whole_leaves_bits(local, dtype):
-    """A warm-up step, then a sparse one from its residual."""
-    make = dropping_factory(local, warmup_steps=1, selector="exact")
-    assert_same_bits(*sharded_against_whole(make, sharded_grads(dtype), SHARDED))
-
-
-def test_sharded_zero_and_non_finite_gradients():
-    grads = sharded_grads(np.float32, steps=2)
-    grads["cols"][:] = 0
-    grads["rows"][:, :, 8:] = 0  # the second piece over 'model'
-    grads["rows"][1, 0, 2, [0, 5]] = [-np.inf, np.nan]
-    # A warm-up step (its own branch), then the sparse one that warmup_steps=0 would run.
-    make = dropping_factory("compensated", warmup_steps=1)
-    got, want = sharded_against_whole(make, grads, SHARDED)
-    assert_same_bits(got, want)
-    assert np.isfinite(got["rows"][0]).all() and not np.isfinite(got["rows"][1]).all()
-    np.testing.assert_array_equal(got["cols"], 0)
-
-
-# Exact ties at the threshold on leaves split along a column or a middle dimension: with
-# specs, the whole leaves' entries go; without them, ties go in shard-major order.
-TIED_SPECS = {"cols": P(None, "model"), "mid": P(None, "model", None), "bias": P()}
+def split_grads(dtype, special, steps=2, seed=3):
+    rng = np.random.default_rng(seed)
+    tied_shapes = {"cols": (6, 8), "mid": (3, 4, 2), "bias": (6,)}
+    grads = {k: tied((steps, 2, *s), rng) for k, s in tied_shapes.items()}
+    random_shapes = {"rows": (16, 6), "rcols": (5, 8), "rbias": (6,)}
+    grads |= {k: rng.standard_normal((steps, 2, *s)) for k, s in random_shapes.items()}
+    if special:
+        grads["rcols"][:] = 0
+        grads["rows"][:, :, 8:] = 0  # the second piece over 'model'
+        grads["rows"][1, 0, 2, [0, 5]] = [-np.inf, np.nan]
+    return {k: v.astype(dtype) for k, v in grads.items()}
 
 
 @pytest.mark.parametrize(
-    ("local", "dtype", "warmup_steps"),
-    [(None, np.float32, 0), ("compensated", jnp.bfloat16, 1), ("sum", np.float16, 0)],
+    ("local", "dtype"), [(None, np.float32), ("compensated", jnp.bfloat16), ("sum", np.float16)]
 )
-def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(local, dtype, warmup_steps):
-    rng = np.random.default_rng(3)
-    shapes = {"cols": (6, 8), "mid": (3, 4, 2), "bias": (6,)}
-    grads = {k: tied((2, 2, *s), rng).astype(dtype) for k, s in shapes.items()}
-    make = dropping_factory(local, warmup_steps)
+def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(local, dtype):
+    """A warm-up step (its own branch), then a sparse one from its residual."""
+    special = dtype == np.float32
+    grads = split_grads(dtype, special)
+    specs = TIED_SPECS | RANDOM_SPECS
+    make = dropping_factory(local, warmup_steps=1)
     # The whole leaves over 'data' alone, once for both checks (specs there split nothing).
     want = run_on_mesh(make(), grads, explicit_mesh((2,), ("data",)), dict.fromkeys(grads, P()))
     mesh = explicit_mesh((2, 2), ("data", "model"))
-    assert_same_bits(run_on_mesh(make(specs=TIED_SPECS), grads, mesh, TIED_SPECS), want)
+    got = run_on_mesh(make(specs=specs), grads, mesh, specs)
+    assert_same_bits(got, want)
+    without = run_on_mesh(make(), grads, mesh, specs)
+    assert_same_bits(without, {k: want[k] for k in RANDOM_SPECS})
+    if special:
+        assert np.isfinite(got["rows"][0]).all() and not np.isfinite(got["rows"][1]).all()
+        np.testing.assert_array_equal(got["rcols"], 0)
     # Without specs, ties go in shard-major order: other entries of the split leaves.
-    got = run_on_mesh(make(), grads, mesh, TIED_SPECS)
-    assert not all(np.array_equal(got[k], want[k]) for k in ("cols", "mid"))
+    assert not all(np.array_equal(without[k], want[k]) for k in ("cols", "mid"))
 
 
 # FSDP (ZeRO-3): leaves split along their leading dimension over 'data' (test_sparse's
@@ -249,11 +253,11 @@ def fsdp_grads(dtype=np.float32, steps=3, n=4, seed=0):
 @pytest.mark.parametrize(
     ("local", "drop_ratio", "selector", "dtype"),
     [
-        (None, 0.9, "exact", np.float32),  # the pairs' all-gather
+        ("compensated", 0.9, "exact", jnp.bfloat16),  # the pairs' all-gather
         ("sum", 0.8, "exact", np.float32),  # the rows' all-to-all
         ("compensated", 0.5, "exact", np.float32),  # dense: a reduce-scatter
-        ("compensated", 0.9, "exact", jnp.bfloat16),
-    ],  # not "sampled": below 2^14 entries it compiles the very program "exact" does
+    ],  # not "sampled": below 2^14 entries it compiles the very program "exact" does; local
+    # None (the output the mean of what was sent) on FSDP leaves: the train_step test below
 )
 def test_fsdp_shards_are_the_slices_of_each_devices_result(local, drop_ratio, selector, dtype):
     """A warm-up step (a reduce-scatter of the dense S), then two sparse ones: every

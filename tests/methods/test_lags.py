@@ -299,7 +299,8 @@ def whole_delta_fn(a):
 # whole leaf's order only where its leading dimension is split. Beside them, a leaf of
 # zeros (ties everywhere: sent zeros whatever the order) and one with a piece of zeros and
 # non-finite values (sent first, so the residual stays finite), split like "cols" and
-# "rows".
+# "rows"; for lags (a top-k per leaf) random leaves split so too, which give the whole
+# leaves' bits with specs or without.
 TIED_LAYOUTS = {
     "model": (
         {"rows": P("model", None), "cols": P(None, "model"), "mid": P(None, "model", None)},
@@ -314,10 +315,15 @@ TIED_LAYOUTS = {
 }
 
 
-def tied_grads(dtype, steps=2, data=2, seed=0):
+RANDOM = ("rows", "cols")  # the layouts of the random leaves
+
+
+def tied_grads(dtype, steps=2, data=2, seed=0, random=False):
     rng = np.random.default_rng(seed)
     shapes = {"rows": (8, 6), "cols": (6, 8), "mid": (3, 4, 2), "bias": (6,), "bad": (8, 6)}
     grads = {k: tied((steps, data, *s), rng) for k, s in shapes.items()}
+    if random:
+        grads |= {f"random_{k}": rng.standard_normal((steps, data, *shapes[k])) for k in RANDOM}
     grads["zero"] = np.zeros((steps, data, 6, 8), np.float32)
     grads["bad"][:, :, :2] = 0  # in the first piece of either split
     grads["bad"][0, 1, 6, [1, 4]] = [np.nan, np.inf]
@@ -333,8 +339,9 @@ def tied_grads(dtype, steps=2, data=2, seed=0):
 def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(method, layout, dtype):
     factory = gradcomm.lags if method == "lags" else gradcomm.slgs
     specs, shape, names = TIED_LAYOUTS[layout]
-    specs = {**specs, "bias": P(), "zero": specs["cols"], "bad": specs["rows"]}
-    grads = tied_grads(dtype)
+    random = {f"random_{k}": specs[k] for k in RANDOM} if method == "lags" else {}
+    specs = {**specs, "bias": P(), "zero": specs["cols"], "bad": specs["rows"], **random}
+    grads = tied_grads(dtype, random=method == "lags")
     make = functools.partial(factory, "data", density=0.1)
     # The whole leaves over 'data' alone, once for both checks (specs there split nothing).
     whole = explicit_mesh(shape[:1], names[:1])
@@ -347,6 +354,7 @@ def test_ties_on_split_leaves_go_as_on_the_whole_leaves_with_specs(method, layou
     # Without specs, ties go in shard-major order: other entries of the split leaves.
     got = run_on_mesh(make(), grads, mesh, specs)
     assert not all(np.array_equal(got[k], want[k]) for k in ("cols", "mid"))
+    assert_same_bits(got, {k: want[k] for k in random})
 
 
 def test_delta_with_specs_ties_as_the_whole_leaf():

@@ -386,12 +386,16 @@ def test_bad_arguments_raise():
 
 
 def test_allreduce_with_a_dtype_is_low_precision():
+    """The same program (jaxpr) as low_precision's in each format; another format's is not."""
     rows = _rows(4, seed=5)
-    for dtype in (jnp.bfloat16, jnp.float16):
+
+    def traced(fn):
+        return str(jax.make_jaxpr(jax.vmap(fn, axis_name="data"))(rows))
+
+    for dtype, other in ((BF16, F16), (F16, BF16)):
         tx = gradcomm.allreduce("data", dtype=dtype)
-        out = jax.jit(jax.vmap(lambda g, tx=tx: tx.update(g, tx.init(g)), axis_name="data"))(rows)
-        expected = jax.jit(jax.vmap(RUN[np.dtype(dtype)], axis_name="data"))(rows)
-        jax.tree.map(np.testing.assert_array_equal, out, expected)
+        got = traced(lambda g, tx=tx: tx.update(g, tx.init(g)))
+        assert got == traced(RUN[dtype]) and got != traced(RUN[other])
     assert gradcomm.allreduce("data", dtype=None).init(rows) == gradcomm.AllReduceState()
 
 
@@ -418,15 +422,21 @@ def test_pairwise_sums_by_halving_in_reduce_scatters(n):
     rows = _rows(n, seed=20 + n)
     sharding = NamedSharding(mesh, P(names))
     placed = jax.tree.map(lambda x: jax.device_put(x, sharding), rows)
+    txs = {d.name: low_precision(names, d, exchange="pairwise") for d in (BF16, F16)}
+
+    def body(t):  # both formats, one program
+        t = jax.tree.map(lambda a: a[0], t)
+        outs = {name: tx.update(t, tx.init(t)) for name, tx in txs.items()}
+        return {k: jax.tree.map(lambda a: a[None], o) for k, (o, _) in outs.items()}, {
+            k: st for k, (_, st) in outs.items()
+        }
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names), P())))
+    outs, states = step(placed)
+    kinds = wire.measure(step, placed).by_kind()
+    assert set(kinds) == {"reduce-scatter"}, kinds
     for dtype in (BF16, F16):
-        tx = low_precision(names, dtype, exchange="pairwise")
-
-        def body(t, tx=tx):
-            out, state = tx.update(jax.tree.map(lambda a: a[0], t), tx.init(t))
-            return jax.tree.map(lambda a: a[None], out), state
-
-        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=(P(names), P())))
-        out, state = step(placed)
+        out, state = outs[dtype.name], states[dtype.name]
         for key, x in rows.items():
             got = np.asarray(out[key])
             assert got.dtype == x.dtype and _same_bits(got), (dtype, key)
@@ -435,8 +445,6 @@ def test_pairwise_sums_by_halving_in_reduce_scatters(n):
             err = np.abs(got[0].astype(np.float64) - reference_mean(x))
             assert (err <= rounded_sums_bound(x, n, dtype)).all(), (dtype, key, err.max())
         assert not np.asarray(state.overflow).any()
-        kinds = wire.measure(step, placed).by_kind()
-        assert set(kinds) == {"reduce-scatter"}, kinds
     with pytest.raises(ValueError, match="power-of-two number of devices"):
         jax.vmap(
             lambda g: low_precision("data", exchange="pairwise").update(g, None),
@@ -703,9 +711,9 @@ def _fsdp_specs(data):
     return {k: P(data) if k in FSDP_KEYS else P() for k in FSDP_SHAPES}
 
 
-def _fsdp_run(exchange, n, rows):
+def _fsdp_run(exchange, n, rows, whole=True):
     """Per device, both formats' results with specs (the FSDP leaves as this device's
-    shard) and without (whole), and the states; one compilation."""
+    shard) and, with `whole`, without, and the states; one compilation."""
     data, mesh = _fsdp_mesh(exchange, n)
     device = P(data)
     txs = {
@@ -713,7 +721,7 @@ def _fsdp_run(exchange, n, rows):
             data, d, exchange, specs=_fsdp_specs(data) if sharded else None
         )
         for d in (BF16, F16)
-        for sharded in (True, False)
+        for sharded in ((True, False) if whole else (True,))
     }
 
     def body(t):
@@ -762,21 +770,39 @@ FSDP_N = [("all_to_all", 3), ("ring", 3)]
 FSDP_N += [(e, 8) for e in ("all_to_all", "psum", "ring", "pairwise")]
 
 
+# The NumPy models of the schemes whose sums run in the same order wherever an element
+# lies (the unsharded means are held to them: test_mean_matches_float64_reference,
+# test_float16_by_all_to_all_matches_float64_reference, test_pairwise_sums_by_halving...).
+WHOLE_MODELS = {
+    "all_to_all": all_to_all_scheme,
+    "pairwise": lambda x, wire: pairwise_scheme(np.asarray(x, np.float32), wire),
+}
+
+
 @pytest.mark.parametrize(("exchange", "n"), FSDP_N, ids=[f"{e}-{n}" for e, n in FSDP_N])
 def test_fsdp_shard_is_the_slice_of_the_whole_mean(exchange, n):
     """With specs splitting some leaves over 'data' (float32, float16 and bfloat16 ones,
     beside two whole leaves), device j receives shard j of each such leaf's mean, in both
     wire formats: for the all_to_all, psum and pairwise schemes the same bits as shard j of
-    the mean without specs (each element is summed in the same order wherever it lies);
-    for the ring exactly its model on the rows of `_shards.to_rows` (an element's sum
-    starts on the device after its row, not after its chunk of the fused buffer). Every
-    result is within the scheme's bound of the float64 mean, so a ring shard is within
-    twice that bound of the ring's unsharded mean. The state stays replicated."""
+    the mean without specs (each element is summed in the same order wherever it lies: by
+    the all_to_all and pairwise schemes, shard j of their NumPy models' whole mean; by
+    psum, of the compiled mean without specs); for the ring exactly its model on the rows
+    of `_shards.to_rows` (an element's sum starts on the device after its row, not after
+    its chunk of the fused buffer). Every result is within the scheme's bound of the
+    float64 mean, so a ring shard is within twice that bound of the ring's unsharded
+    mean. The state stays replicated."""
     rows = _fsdp_rows(n, seed=50 + n)
-    results = _fsdp_run(exchange, n, rows)
+    results = _fsdp_run(exchange, n, rows, whole=exchange == "psum")
     bound = tolerance if exchange == "all_to_all" else rounded_sums_bound
     for dtype in (BF16, F16):
-        (got, state), (whole, _) = results[dtype.name, True], results[dtype.name, False]
+        got, state = results[dtype.name, True]
+        if exchange in WHOLE_MODELS:
+            whole = {
+                k: np.broadcast_to(WHOLE_MODELS[exchange](x, dtype).astype(x.dtype), x.shape)
+                for k, x in rows.items()
+            }
+        elif exchange == "psum":
+            whole = results[dtype.name, False][0]
         model = fsdp_ring_scheme(rows, dtype) if exchange == "ring" else None
         for key, x in rows.items():
             split = key in FSDP_KEYS
@@ -984,9 +1010,10 @@ def test_allreduce_with_a_dtype_passes_specs_through():
     np.testing.assert_array_equal(out["allreduce"], mean.reshape(n, 2, 3))
 
 
-def _fsdp_on_model_mesh(exchange, mesh, model):
-    """Both formats' FSDP shards of a (8, 6) leaf split over 'data' by rows (and over
-    'model' by columns where `model`), beside a whole (7,) leaf, and the overflow flags."""
+def _fsdp_on_model_mesh(exchanges, mesh, model):
+    """Both formats' FSDP shards, by each of `exchanges` (keyed "exchange-dtype"), of a
+    (8, 6) leaf split over 'data' by rows (and over 'model' by columns where `model`),
+    beside a whole (7,) leaf, and the overflow flags; one program."""
     rng = np.random.default_rng(70)
     rows = {
         "k": rng.standard_normal((4, 8, 6)).astype(np.float32),
@@ -996,7 +1023,11 @@ def _fsdp_on_model_mesh(exchange, mesh, model):
     specs = {"k": P("data", cols), "b": P()}
     in_specs = {"k": P("data", None, cols), "b": P("data")}
     out_specs = {"k": P("data", None, cols), "b": P("data")}
-    txs = {d.name: low_precision("data", d, exchange, specs=specs) for d in (BF16, F16)}
+    txs = {
+        f"{e}-{d.name}": low_precision("data", d, e, specs=specs)
+        for e in exchanges
+        for d in (BF16, F16)
+    }
 
     def body(t):
         t = {k: x[0] for k, x in t.items()}
@@ -1013,17 +1044,19 @@ def _fsdp_on_model_mesh(exchange, mesh, model):
     return jax.tree.map(np.asarray, jax.jit(mapped)(placed))
 
 
-@pytest.mark.parametrize("exchange", ["all_to_all", "psum", "ring"])
-def test_fsdp_leaf_also_split_over_a_model_axis(exchange):
+def test_fsdp_leaf_also_split_over_a_model_axis():
     """A leaf split over 'data' by rows (FSDP) and over 'model' by columns, on a (data 4,
     model 2) mesh: each device's piece of its shard is the same bits as the shard on the
-    4 data devices alone, for the ring too (a row is a shard, wherever its columns lie),
-    and the flags are reduced over both axes (the state leaves the map replicated)."""
-    _, two, one = _model_meshes(exchange)
-    got = _fsdp_on_model_mesh(exchange, two, model=True)
-    want = _fsdp_on_model_mesh(exchange, one, model=False)
-    for dtype in (BF16, F16):
-        (mean, overflow), (whole, _) = got[dtype.name], want[dtype.name]
+    4 data devices alone, by the all_to_all, psum and ring schemes (for the ring too: a row
+    is a shard, wherever its columns lie), and the flags are reduced over both axes (the
+    state leaves the map replicated)."""
+    exchanges = ("all_to_all", "psum", "ring")
+    _, two, one = _model_meshes(exchanges[0])
+    got = _fsdp_on_model_mesh(exchanges, two, model=True)
+    want = _fsdp_on_model_mesh(exchanges, one, model=False)
+    assert sorted(got) == sorted(f"{e}-{d.name}" for e in exchanges for d in (BF16, F16))
+    for name in got:
+        (mean, overflow), (whole, _) = got[name], want[name]
         assert mean["k"].shape == (4, 2, 6) and not overflow
         for key in mean:
-            np.testing.assert_array_equal(mean[key], whole[key], err_msg=f"{dtype} {key}")
+            np.testing.assert_array_equal(mean[key], whole[key], err_msg=f"{name} {key}")

@@ -197,21 +197,18 @@ def test_pairwise_axes():
 # --- Adasum --------------------------------------------------------------------------------
 
 
-def hard_tree(n):
-    """The stability inputs of test_adasum, one leaf each, in one tree (three dtypes)."""
+def hard_tree(n, dtypes=(np.float32, ml_dtypes.bfloat16)):
+    """The stability inputs of test_adasum, one leaf each, in one tree: a group of three
+    leaves in each of `dtypes`, and the special float32 (and one bfloat16) leaves."""
     rng = np.random.default_rng(n)
     scale = rng.uniform(0.1, 10.0, size=(n, 1))
     tree = {
-        name: {
+        np.dtype(dtype).name: {
             "w": (rng.standard_normal((n, 33, 9)) * scale[:, :, None]).astype(dtype),
             "b": (rng.standard_normal((n, 7)) * scale).astype(dtype),
             "s": rng.standard_normal(n).astype(dtype),
         }
-        for name, dtype in {
-            "f32": np.float32,
-            "bf16": ml_dtypes.bfloat16,
-            "f16": np.float16,
-        }.items()
+        for dtype in dtypes
     }
     g = rng.standard_normal((n, 50))
     v = rng.standard_normal(40)
@@ -256,12 +253,13 @@ def test_adasum_pairwise_on_one_device_is_the_identity():
 # test_exchange_returns_the_partners_bits_in_one_two_member_reduce_scatter's.
 @pytest.mark.parametrize(("n", "layout"), [(2, "axis"), (4, "factored")])
 def test_adasum_pairwise_is_bit_identical_with_the_same_bytes_and_no_ppermute(n, layout):
-    tree = hard_tree(n)
-    if layout == "axis":  # each dtype is a flat buffer of its own, which the compiler pays
-        # for: on the one axis, the float32 and the special leaves (a bfloat16 one among
-        # them). The bfloat16 and float16 groups' arithmetic is the factored run's, and
-        # their exchanges on either layout, bit for bit, are the exchange test's above.
-        tree = {k: tree[k] for k in ("f32", "special")}
+    # Each dtype is a flat buffer of its own, which the compiler pays for. Factored, the
+    # float32 and bfloat16 groups and the special leaves; on the one axis, the float32 and
+    # the special leaves (a bfloat16 one among them). float16 travels as bfloat16 does, in
+    # 2-byte words: its exchanges on either layout, bit for bit, and bfloat16's, are the
+    # exchange test's above.
+    dtypes = (np.float32, ml_dtypes.bfloat16) if layout == "factored" else (np.float32,)
+    tree = hard_tree(n, dtypes)
     expected, permute_text = run(adasum_fn("permute"), n, False, tree, out_replicated=True)
     got, text = run(adasum_fn("pairwise"), n, layout, tree, out_replicated=True)
     assert_same_bits(got, expected)
