@@ -31,7 +31,9 @@ from gradcomm.lags import (
     slgs,
 )
 from gradcomm.low_precision import LowPrecisionState, low_precision
+from gradcomm.onebit_adam import OnebitAdamState, onebit_adam
 from gradcomm.powersgd import PowerSgdState, powersgd
+from gradcomm.streaming_diloco import StreamingDilocoState, streaming_diloco
 from gradcomm.sync import (
     ParamsSync,
     PeriodicAverageState,
@@ -52,11 +54,13 @@ __all__ = [
     "LagsPlan",
     "LagsState",
     "LowPrecisionState",
+    "OnebitAdamState",
     "ParamsSync",
     "PeriodicAverageState",
     "PowerSgdState",
     "SgpState",
     "SlgsState",
+    "StreamingDilocoState",
     "TernGradState",
     "adasum",
     "adasum_pair",
@@ -75,6 +79,7 @@ __all__ = [
     "lags_speedup_bound",
     "local_sgd",
     "low_precision",
+    "onebit_adam",
     "orthogonality",
     "parallel",
     "perfmodel",
@@ -84,6 +89,7 @@ __all__ = [
     "sgp",
     "slgs",
     "sparse",
+    "streaming_diloco",
     "sync",
     "ternarize",
     "terngrad",

@@ -21,7 +21,7 @@ sends the signs of that with one scale per slice, keeping the new error. Zero go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradcomm import _axes, _checks, _compressed, _packing, _transform, wire
+from gradcomm import _axes, _checks, _compressed, _packing, _transform, perfmodel, registry, wire
 
 
 class OnebitAdamState(NamedTuple):
@@ -79,6 +79,12 @@ def _decode_signs(words: jax.Array, scales: jax.Array, widths: Sequence[int]) ->
 
 
 SIGNS = _compressed.Codec(_encode_signs, _decode_signs, multiple=8)
+_SPLIT_FIX = (
+    "Its scales are per tensor (each device's) and per slice of the flattened tensor (each "
+    "server's). Keep the leaves it steps replicated over the model axes (split only "
+    "activations), or use optax.adam with gradcomm.allreduce or gradcomm.low_precision, "
+    "which give each piece the whole tensor's result"
+)
 
 
 def onebit_adam(
@@ -102,7 +108,8 @@ def onebit_adam(
 
     Args:
       axis_name: the mesh axis (or tuple of axes) to average over.
-      learning_rate: the step size, a float or an optax schedule of the step count.
+      learning_rate: the step size, a float (or a float scalar array, as
+        `optax.inject_hyperparams` passes it) or an optax schedule of the step count.
       b1: the momentum's decay.
       b2: the variance's decay (during the warm-up).
       eps: added to the square root of the variance.
@@ -121,7 +128,9 @@ def onebit_adam(
 
     Raises:
       ValueError: at construction for a malformed option; at trace time for gradients
-        that are not floating point, and for weight decay without params.
+        that are not floating point, for weight decay without params, and for a leaf
+        split over mesh axes besides `axis_name` (tensor parallelism): its scales need
+        the whole tensor, which no device holds there.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -154,7 +163,12 @@ def onebit_adam(
     for name, value in [("eps", eps), ("weight_decay", weight_decay)]:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{name} must be a float >= 0, got {value!r}")
-    if not callable(learning_rate) and (
+    scalar = (  # a float array of rank 0: optax.inject_hyperparams passes a traced one
+        isinstance(learning_rate, jax.Array)
+        and not learning_rate.shape
+        and jnp.issubdtype(learning_rate.dtype, jnp.floating)
+    )
+    if not (callable(learning_rate) or scalar) and (
         isinstance(learning_rate, bool) or not isinstance(learning_rate, int | float)
     ):
         raise ValueError(
@@ -182,7 +196,9 @@ def onebit_adam(
         local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x.astype(jnp.float32), mu, grads)
         leaves, treedef = jax.tree.flatten(local)
         flat = _compressed.Errors(*(treedef.flatten_up_to(e) for e in errors))
-        means, flat = _compressed.compressed_mean(leaves, axis_name, SIGNS, flat)
+        means, flat = _compressed.compressed_mean(
+            leaves, axis_name, SIGNS, flat, who="onebit_adam", fix=_SPLIT_FIX
+        )
         errors = _compressed.Errors(*(treedef.unflatten(e) for e in flat))
         return treedef.unflatten(means), nu, errors
 
@@ -218,3 +234,15 @@ def onebit_adam(
 def _collectives_mean(x: jax.Array, axis_name: _axes.AxisName) -> jax.Array:
     """The float32 mean of `x` over the devices (the warm-up's all-reduce)."""
     return lax.pmean(x.astype(jnp.float32), axis_name)
+
+
+def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:
+    """After the warm-up: an all-to-all and an all-gather of one bit an entry (the scales,
+    a float32 per leaf and device, aside)."""
+    return [perfmodel.Collective(k, s.nodes, s.params / 8) for k in ("alltoall", "allgather")]
+
+
+registry.register(registry.Method(
+    onebit_adam, "optimizer", title="1-bit Adam", paper="Tang et al., ICML 2021",
+    page="onebit_adam", collectives=_pattern,
+))  # fmt: skip

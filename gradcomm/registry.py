@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from gradcomm.perfmodel import Collective, Setting, Window
 
-Placement = Literal["before", "after", "either", "params"]
+Placement = Literal["before", "after", "either", "params", "optimizer"]
 _WHERE = {
     "before": "before the optimizer",
     "after": "after the optimizer",
     "either": "before or after the optimizer",
     "params": "on the params (`train_step(..., sync=...)`)",
+    "optimizer": "in place of the optimizer",
 }
 
 
@@ -44,7 +45,8 @@ class Method:
       factory: the public factory, `gradcomm.<name>`; its name is the method's.
       placement: where it goes: "before" the optimizer (on gradients), "after" it (on the
         optimizer's updates), "either", or "params": a `gradcomm.ParamsSync` that
-        `parallel.train_step` runs on the params after each step.
+        `parallel.train_step` runs on the params after each step, or "optimizer": it is
+        the optimizer (it takes the learning rate).
       title: the method's name in prose ("Adasum").
       paper: its reference, "Maleki et al., MLSys 2021", or "baseline".
       page: its docs page, `docs/site/methods/<page>.md`.

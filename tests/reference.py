@@ -30,6 +30,13 @@ def adasum(values: list[np.ndarray]) -> np.ndarray:
     return adasum_tree(folded)
 
 
+def adam_first_update(g: np.ndarray, lr: float, eps: float) -> np.ndarray:
+    """Adam's first update from zero moments, bias-corrected (Kingma and Ba, Algorithm 1):
+    m_hat = g and v_hat = g^2, so -lr g / (|g| + eps)."""
+    g = np.asarray(g, np.float64)
+    return -lr * g / (np.sqrt(g * g) + eps)
+
+
 def terngrad_clip(g: np.ndarray, c: float | None) -> np.ndarray:
     """TernGrad eq. 21: clip at c standard deviations (no clipping where sigma is 0)."""
     g = np.asarray(g, np.float64)

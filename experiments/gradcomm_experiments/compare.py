@@ -196,7 +196,18 @@ def build(method: str, args: argparse.Namespace, steps: int) -> registry.Method:
     `--optimizer`, `--lr` and `--schedule` over `steps`; it keeps its jitted train steps
     for another run (`Method.compiled`)."""
     inner = registry.optimizer(args.optimizer, args.lr, steps, args.schedule)
-    return dataclasses.replace(registry.build(configured(method, args), inner), compiled={})
+    rate = registry.learning_rate(args.lr, steps, args.schedule)  # 1-bit Adam's, which is Adam
+    spec = configured(method, args)
+    if spec.method == "onebit_adam":
+        # Its variance freezes after the warm-up, and the CNN's dead ReLU units and blank
+        # pixels leave entries whose variance is 0 or nearly: each then takes a step of the
+        # tensor's scale over sqrt(v) + eps, which at Adam's eps = 1e-8 diverges to NaN
+        # within a few steps of the warm-up (docs/site/methods/onebit_adam.md). At 1e-3,
+        # about the median sqrt(v), it trains. The warm-up: 15% of the run (the paper warms
+        # BERT up for a small part of its steps too).
+        spec = spec.configured(eps=1e-3, warmup_steps=max(1, steps * 3 // 20))
+    built = registry.build(spec, inner, learning_rate=rate)
+    return dataclasses.replace(built, compiled={})
 
 
 def interleaved_step_times(

@@ -18,8 +18,9 @@ the gossip methods (SGP, 1-overlap SGP, D-PSGD) after it. PowerSGD goes before i
 Algorithm 2 compresses the gradient and feeds the optimizer), and so do the 16-bit
 all-reduces (PyTorch's fp16 and bf16 hooks average gradients). Local SGD is the plain
 optimizer with `gradcomm.local_sgd`'s sync, DiLoCo the plain (inner) optimizer with
-`gradcomm.diloco`'s outer step as its sync, and gradient dropping with local gradients
-averages the params with `gradcomm.periodic_average`.
+`gradcomm.diloco`'s outer step as its sync (Streaming DiLoCo likewise), and gradient
+dropping with local gradients averages the params with `gradcomm.periodic_average`. 1-bit
+Adam is the optimizer: it replaces the inner one, at the rate `build` passes it.
 """
 
 from __future__ import annotations
@@ -142,10 +143,16 @@ _SPECS = (
     Spec("fp16-bits", "low_precision", {"dtype": "float16", "exchange": "all_to_all"}),
     Spec("bf16", "low_precision", {"dtype": "bfloat16"}),
     Spec("diloco", "diloco", {"every": 20}),
+    Spec("diloco-eager", "diloco", {"every": 20, "eager": True}),
+    # Streaming DiLoCo's defaults: 2 fragments, a delay of 1 step, 4-bit outer gradients.
+    Spec("streaming-diloco", "streaming_diloco", {"every": 20}),
+    Spec("streaming-diloco-f32", "streaming_diloco", {"every": 20, "outer_dtype": "float32"}),
+    Spec("onebit-adam", "onebit_adam", {"warmup_steps": 100}),
 )
 # compare.py's methods: one of each kind, on the small CNN.
 _COMPARE = ("allreduce", "adasum", "terngrad", "lags", "slgs", "dropping", "dropping-local",
-            "local-sgd", "sgp", "osgp", "dpsgd", "powersgd", "fp16", "diloco")
+            "local-sgd", "sgp", "osgp", "dpsgd", "powersgd", "fp16", "diloco",
+            "streaming-diloco", "onebit-adam")
 # fmt: on
 
 
@@ -230,13 +237,21 @@ class Method:
         return params, state, step
 
 
-def build(spec: Spec | str, opt: optax.GradientTransformation, axis: Any = "data") -> Method:
+def build(
+    spec: Spec | str,
+    opt: optax.GradientTransformation,
+    axis: Any = "data",
+    learning_rate: optax.ScalarOrSchedule | None = None,
+) -> Method:
     """The method `spec` (or the registry's method of that name) with the inner optimizer.
 
     Args:
       spec: a `Spec`, or a name in `METHODS`.
-      opt: the inner optimizer.
+      opt: the inner optimizer; a method that is the optimizer (1-bit Adam, placement
+        "optimizer") replaces it.
       axis: the mesh axis (or tuple of axes) the method communicates over.
+      learning_rate: the rate (or schedule) of a method that replaces the optimizer, where
+        its spec sets none (default: the factory's); ignored by the others.
 
     Returns:
       A `Method` named by the spec's label.
@@ -246,13 +261,19 @@ def build(spec: Spec | str, opt: optax.GradientTransformation, axis: Any = "data
     import gradcomm
 
     spec = METHODS[spec] if isinstance(spec, str) else spec
-    made = registry.METHODS[spec.method].factory(axis, **spec.options)
+    options = dict(spec.options)
+    replaces = registry.METHODS[spec.method].placement == "optimizer"
+    if replaces and learning_rate is not None:
+        options.setdefault("learning_rate", learning_rate)
+    made = registry.METHODS[spec.method].factory(axis, **options)
     sync = None
     if spec.sync is not None:
         kwargs = {k: v for k, v in spec.sync.items() if k != "name"}
         sync = registry.METHODS[spec.sync["name"]].factory(axis, **kwargs)
     if isinstance(made, gradcomm.ParamsSync):  # local SGD: the plain optimizer, then the sync
         tx, sync = opt, made
+    elif replaces:
+        tx = made
     else:
         tx = optax.chain(made, opt) if spec.first else optax.chain(opt, made)
     return Method(spec.label, tx, spec.per_device, sync)
@@ -261,18 +282,11 @@ def build(spec: Spec | str, opt: optax.GradientTransformation, axis: Any = "data
 def optimizer(
     name: str, lr: float, steps: int, schedule: str = "cosine"
 ) -> optax.GradientTransformation:
-    """The inner optimizer: "adam", "sgd" or "momentum" (SGD with momentum 0.9).
-
-    `schedule` is "cosine" (decay to 0 over `steps`) or "constant".
-    """
+    """The inner optimizer: "adam", "sgd" or "momentum" (SGD with momentum 0.9), at
+    `rate(lr, steps, schedule)`."""
     import optax
 
-    if schedule == "cosine":
-        rate: optax.ScalarOrSchedule = optax.cosine_decay_schedule(lr, max(steps, 1))
-    elif schedule == "constant":
-        rate = lr
-    else:
-        raise SystemExit(f"unknown schedule {schedule!r}: choose cosine or constant")
+    rate = learning_rate(lr, steps, schedule)
     if name == "adam":
         return optax.adam(rate)
     if name == "sgd":
@@ -280,3 +294,14 @@ def optimizer(
     if name == "momentum":
         return optax.sgd(rate, momentum=0.9)
     raise SystemExit(f"unknown optimizer {name!r}: choose adam, sgd or momentum")
+
+
+def learning_rate(lr: float, steps: int, schedule: str = "cosine") -> optax.ScalarOrSchedule:
+    """`lr` on `schedule`: "cosine" (decay to 0 over `steps`) or "constant"."""
+    import optax
+
+    if schedule == "cosine":
+        return optax.cosine_decay_schedule(lr, max(steps, 1))
+    if schedule == "constant":
+        return lr
+    raise SystemExit(f"unknown schedule {schedule!r}: choose cosine or constant")

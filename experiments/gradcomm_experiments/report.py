@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 # One colour per method of compare.py, in its order: black for the all-reduce baseline,
 # then 13 picked from Paul Tol's, Kelly's and matplotlib's tab10 qualitative colours for the
 # largest smallest difference between any two (CIEDE2000 above 21; lags and diloco, 11
-# apart before, now 58), none lighter than L* 75, so each shows on white.
+# apart before, now 58), none lighter than L* 75, so each shows on white; then, for
+# Streaming DiLoCo and 1-bit Adam, the HSV grid's colours farthest from those (above 22).
 PALETTE = (
     "#000000", "#0077BB", "#CC3311", "#228833", "#8DB600", "#F6A600", "#654522", "#33BBEE",
-    "#E377C2", "#882255", "#604E97", "#44AA99", "#7F7F7F", "#F99379",
+    "#E377C2", "#882255", "#604E97", "#44AA99", "#7F7F7F", "#F99379", "#1B5954", "#000059",
 )  # fmt: skip
 # Filled markers only (an outline such as "x", "+" or "|" all but vanishes at 5 points): the
 # methods of compare.py take the first ones, in its order; the registry's other methods the
@@ -37,7 +38,7 @@ PALETTE = (
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "h", "p", "<", ">", "d", "H", "8",
            (6, 1, 0), (4, 1, 0), (5, 0, 180), (7, 0, 0), (3, 1, 0), (4, 1, 45), (8, 1, 0),
            (5, 1, 180), (10, 1, 0), (3, 1, 180), (7, 1, 0), (9, 0, 0), (9, 1, 0),
-           (8, 0, 22.5))  # fmt: skip
+           (8, 0, 22.5), (11, 0, 0), (11, 1, 0), (12, 1, 0), (10, 0, 18))  # fmt: skip
 LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)))
 
 

@@ -25,16 +25,24 @@ each step's first call times its `exchange="auto"` swaps (Adasum's, SGP's, D-PSG
 both ways, as `ppermute`s and as two-member reduce-scatters (gloo runs a swapping
 `ppermute` at half speed), and keeps the faster (`parallel.TrainStep.probe`); the
 `-permute` and `-pairwise` rows force one. Each record keeps its step's probe.
-`--patterns` times the raw collectives instead of the methods.
+`--patterns` times the raw collectives instead of the methods. `--utilization` times
+training alone (no communication) and Streaming DiLoCo's, DiLoCo's and local SGD's variants
+(`network.utilization`: H = 20 and 100, delays 0 and 1) and writes utilization.json and
+utilization.md: each variant's step against training alone's, the compute utilization of
+issue 30.
 
-Timing: after warm-up, each method runs `--steps` timed steps per run, the methods taking
-turns (interleaved, in a rotated order each run); a cell is the median over runs of each
-run's median step. Where a method's cost repeats in a cycle (an averaging period, gossip
-phases) whole cycles are timed and the run's figure is the mean step, so the expensive
-step is counted. Each cell's ratio is taken against allreduce's time in the same run.
+Timing: after an untimed warm-up (past 1-bit Adam's warm-up phase too, which the benchmark
+shortens to `network.worker.ONEBIT_WARMUP` steps; their median step after the compiling one
+is kept apart as `warmup_step_s`), each method runs `--steps` timed steps per run, the
+methods taking turns (interleaved, in a rotated order each run); a cell is the median over
+runs of each run's median step. Where a method's cost repeats in a cycle (an averaging
+period, gossip phases) whole cycles are timed and the run's figure is the mean step, so
+the expensive step is counted. Each cell's ratio is taken against allreduce's time in the same run.
 Unshaped cells, bound by compute and noisy, take `--runs` runs; shaped cells, bound by the
 link and repeatable, `--shaped-runs`. Bytes per step are the steady state's, read from
-the compiled program (`gradcomm.wire`).
+the compiled program (`gradcomm.wire`): on average over the method's period, and in its
+most expensive step after the warm-ups (`peak_bytes_per_step`: DiLoCo's outer step,
+Streaming DiLoCo's largest fragment).
 
 Meshes (`--mesh`, default flat): `tp` runs two CPU devices per host, the data axis across
 the hosts and a model axis of 2 inside each, and trains the same MLP tensor-parallel (the
@@ -103,6 +111,7 @@ from gradcomm_experiments import cli, methods, provenance
 from gradcomm_experiments.network import cluster as netcluster
 from gradcomm_experiments.network import mesh as netmesh
 from gradcomm_experiments.network import report as netreport
+from gradcomm_experiments.network import utilization as netutil
 
 # The worker processes, one per host: modules of the installed package, run with -m.
 WORKER = "gradcomm_experiments.network.worker"  # JAX: the methods, or raw collectives
@@ -316,6 +325,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--patterns", action="store_true", help="time raw collectives instead of methods"
     )
+    parser.add_argument(
+        "--utilization", action="store_true",
+        help="time training alone and Streaming DiLoCo's variants (network.utilization) "
+        "instead of the methods; writes utilization.json and utilization.md",
+    )  # fmt: skip
     parser.add_argument("--pattern-mib", type=float, default=16, help="MiB per device")
     parser.add_argument("--pattern-repeats", type=int, default=5, help="calls per pattern")
     args = parser.parse_args(argv)
@@ -344,11 +358,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--threads must be between 1 and the {cpus} CPUs this process may use")
     if args.peer and args.patterns:
         parser.error("--peer times training steps: it does not go with --patterns")
+    if args.utilization and (args.patterns or args.peer or args.mesh_list != ["flat"]):
+        parser.error("--utilization runs its own rows on the flat mesh: no --patterns, --peer "
+                     "or --mesh with it")  # fmt: skip
     if args.peer:
         problem = torch_problem()
         if problem:
             parser.exit(2, f"bench_network: {problem}\n")
-    if not args.patterns:
+    if not (args.patterns or args.utilization):
         problem = plot_problem()
         if problem:
             parser.exit(2, f"bench_network: {problem}\n")
@@ -398,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     if args.patterns:
         return measure_patterns(args, out, stamp)
+    if args.utilization:
+        return [netutil.measure(args, out, stamp, run_cell, SEEDS)]
     plan = netmesh.plan(args.mesh_list, args.labels)
     records: list[dict[str, Any]] = []
     bytes_known: dict[tuple[str, int, str], dict[str, Any]] = {}

@@ -80,6 +80,8 @@ GPU_ROWS: tuple[Mapping[str, Any], ...] = (
     {"label": "fp16", "method": "low_precision", "options": {"dtype": "float16"}},
     {"label": "local-sgd", "method": "local_sgd", "options": {"every": 20}},
     {"label": "diloco", "method": "diloco", "options": {"every": 500}},
+    {"label": "streaming-diloco", "method": "streaming_diloco", "options": {"every": 500}},
+    {"label": "onebit-adam", "method": "onebit_adam"},
 )  # fmt: skip
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 _LINK = {"": 1.0, "gbit": 1.0, "mbit": 1e-3}
@@ -270,8 +272,8 @@ def recommend(
     Example:
       >>> from gradcomm import perfmodel
       >>> rows = perfmodel.recommend("124M", 32, "10gbit")  # GPT-2 small on 32 GPUs
-      >>> [(c.label, c.options) for c in rows[:3]]
-      [('diloco', {'every': 500}), ('powersgd-r2', {'rank': 2}), ('powersgd-r4', {'rank': 4})]
+      >>> [c.label for c in rows[:3]]
+      ['streaming-diloco', 'diloco', 'powersgd-r2']
       >>> lags = next(c for c in rows if c.label == "lags-0.001")
       >>> round(lags.ratio, 2), round(lags.extra_s, 4), lags.extra_from
       (0.13, 0.0713, 'topk sampled d=0.001 per leaf + decode d=0.001 (NVIDIA H200)')

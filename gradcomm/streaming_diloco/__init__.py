@@ -26,7 +26,8 @@ values, summed in float32 (see `gradcomm._compressed`), a quarter or an eighth o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -40,12 +41,22 @@ from gradcomm import (
     _collectives,
     _compressed,
     _transform,
+    perfmodel,
+    registry,
     wire,
 )
-from gradcomm.diloco import _cast_like, _joined, _typed_like
-from gradcomm.streaming_diloco._codecs import CODECS, OuterDtype
-from gradcomm.streaming_diloco._fragments import fragment_of_leaves, schedule
+from gradcomm.diloco import _cast_like, _typed_like
+from gradcomm.streaming_diloco._branches import switch
+from gradcomm.streaming_diloco._codecs import CODECS, E3M0_FIX, E3M0_WHO, OuterDtype
+from gradcomm.streaming_diloco._fragments import (
+    fragment_of_leaves,
+    merge_parts,
+    schedule,
+    split_tree,
+)
 from gradcomm.sync import ParamsSync, _params_sync, average_params
+
+__all__ = ["StreamingDilocoState", "fragment_of_leaves", "streaming_diloco"]
 
 _OUTER_DTYPES = ("float32", "bfloat16", "e3m0")
 
@@ -56,8 +67,8 @@ class StreamingDilocoState(NamedTuple):
     Attributes:
       anchor: the global params: each fragment's after its last outer step (before the
         first, the initial params); per device with eager updates.
-      outer_state: one outer optimizer state per fragment, on that fragment's leaves; per
-        device with eager updates.
+      outer_state: one outer optimizer state per fragment, on that fragment's leaves (on
+        the params' tree with one fragment); per device with eager updates.
       pending: with a delay or eager updates, each fragment's last mean outer gradient
         (float32, shaped like the params, the same on every device); () without.
       own: with a delay or eager updates, each fragment's last outer gradient on this
@@ -131,7 +142,9 @@ def streaming_diloco(
 
     Raises:
       ValueError: at construction for a malformed axis name or option; at trace time for
-        params that are not floating point or have fewer layers than fragments.
+        params that are not floating point or have fewer layers than fragments, and
+        with "e3m0" for a leaf split over mesh axes besides `axis_name` (its scales are
+        per slice of the whole leaf: use "bfloat16" or "float32" there).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -207,15 +220,13 @@ def streaming_diloco(
             f"optax.sgd(0.7, momentum=0.9, nesterov=True)), got {outer!r}"
         )
 
-    def split(tree: Any) -> list[list[Any]]:
-        owner = fragment_of_leaves(tree, fragments)
-        leaves = jax.tree.leaves(tree)
-        return [[x for x, o in zip(leaves, owner, strict=True) if o == p] for p in range(fragments)]
+    split = functools.partial(split_tree, fragments=fragments)
+    merge = functools.partial(merge_parts, fragments=fragments)
 
-    def merge(tree: Any, parts: Sequence[list[Any]]) -> Any:
-        owner = fragment_of_leaves(tree, fragments)
-        its = [iter(part) for part in parts]
-        return jax.tree.unflatten(jax.tree.structure(tree), [next(its[o]) for o in owner])
+    def outer_tree(part: list[Any], like: Any) -> Any:
+        """What the outer optimizer steps: fragment p's leaves, or with one fragment the
+        params' tree (its state then mirrors the params, as `parallel` lays state out)."""
+        return jax.tree.unflatten(jax.tree.structure(like), part) if fragments == 1 else part
 
     deferred = bool(delay or eager)  # the exchange runs one step after the sending step
 
@@ -225,7 +236,7 @@ def streaming_diloco(
         zeros = _typed_like(zeros, params)  # varying where the params are
         return StreamingDilocoState(
             anchor=jax.tree.map(jnp.array, params),  # a copy: params may be donated
-            outer_state=tuple(outer.init(part) for part in split(params)),
+            outer_state=tuple(outer.init(outer_tree(part, params)) for part in split(params)),
             pending=zeros if deferred else (),
             own=zeros if deferred else (),
             count=_transform.zero_count(),
@@ -248,7 +259,8 @@ def streaming_diloco(
         if outer_dtype == "float32":
             mean = lax.pmean(deltas, axis_name)
             return [_collectives.assume_invariant(m, axis_name) for m in mean]
-        return _compressed.compressed_mean(deltas, axis_name, CODECS[outer_dtype])[0]
+        codec = CODECS[outer_dtype]
+        return _compressed.compressed_mean(deltas, axis_name, codec, who=E3M0_WHO, fix=E3M0_FIX)[0]
 
     def outer_step(
         p: int, operands: tuple[Any, ...], deltas: list[Any], mix: bool
@@ -258,8 +270,9 @@ def streaming_diloco(
         params, anchor, outer_state = operands[:3]
         params_p, anchor_p = split(params)[p], split(anchor)[p]
         deltas = [d.astype(a.dtype) for d, a in zip(deltas, anchor_p, strict=True)]
-        updates, new_state = outer.update(deltas, outer_state[p], anchor_p)
-        new_anchor = optax.apply_updates(anchor_p, updates)
+        anchor_tree = outer_tree(anchor_p, anchor)
+        updates, new_state = outer.update(outer_tree(deltas, anchor), outer_state[p], anchor_tree)
+        new_anchor = jax.tree.leaves(optax.apply_updates(anchor_tree, updates))
         new = list(new_anchor)
         if mix:
             new = [
@@ -279,13 +292,13 @@ def streaming_diloco(
 
     def branches(make: Callable[[int], Callable], label: str | None) -> list[Callable]:
         """One branch per fragment, each `_typed_like` its operands (and named for the wire
-        meter where it exchanges)."""
+        meter where it exchanges: one in P of the steps that exchange)."""
 
         def wrap(p: int) -> Callable:
             def branch(operands: tuple[Any, ...]) -> tuple[Any, ...]:
                 return _typed_like(make(p)(operands), operands)
 
-            return wire.branch(label.format(p=p), every=every)(branch) if label else branch
+            return wire.branch(label.format(p=p), every=fragments)(branch) if label else branch
 
         return [wrap(p) for p in range(fragments)]
 
@@ -336,39 +349,52 @@ def streaming_diloco(
 
         return run
 
-    def switch(index: jax.Array, branches: list[Callable], operands: tuple[Any, ...]) -> Any:
-        branches = [lambda ops: ops, *branches]
-        if _axes.is_manual(axis_name):  # every branch must give each output the same type
-            while True:
-                joined = operands
-                for branch in branches[1:]:
-                    joined = _joined(joined, branch)
-                if _same_types(joined, operands):
-                    break
-                operands = joined
-        return lax.switch(index, branches, operands)
-
     def step(params: Any, state: StreamingDilocoState) -> tuple[Any, StreamingDilocoState]:
         _checks.check_float_leaves(params, "streaming_diloco")
         sending, flushing = schedule(state.count, every, fragments, 1)
         ops = (params, state.anchor, state.outer_state, state.pending, state.own)
+        # ops: params, anchor, outer states, pending and own; each switch passes those it changes.
         if not deferred:
-            ops = switch(sending, branches(sent, "fragment {p} outer step"), ops)
+            outer = branches(sent, "fragment {p} outer step")
+            ops = switch(sending, outer, ops, axis_name, (0, 1, 2), every // fragments)
         else:
-            ops = switch(flushing, branches(flush, "fragment {p} sync"), ops)
+            syncs = branches(flush, "fragment {p} sync")
+            ops = switch(flushing, syncs, ops, axis_name, (3,), every // fragments)
             if eager:
-                ops = switch(sending, branches(eager_step, None), ops)
+                ops = switch(sending, branches(eager_step, None), ops, axis_name, (0, 1, 2, 4))
             else:
                 landing = schedule(state.count, every, fragments, delay)[1]
-                ops = switch(landing, branches(arrive, None), ops)
-                ops = switch(sending, branches(store, None), ops)
+                ops = switch(landing, branches(arrive, None), ops, axis_name, (0, 1, 2))
+                ops = switch(sending, branches(store, None), ops, axis_name, (4,))
         count = optax.safe_increment(state.count)
         return ops[0], StreamingDilocoState(*ops[1:], count=count)
 
     return _params_sync("streaming_diloco", axis_name, init, step)
 
 
-def _same_types(a: Any, b: Any) -> bool:
-    return [_axes.varying_axes(x) for x in jax.tree.leaves(a)] == [
-        _axes.varying_axes(x) for x in jax.tree.leaves(b)
-    ]
+# Bytes an entry of an outer gradient on the wire, per outer_dtype (the scales aside).
+_BYTES = {"float32": 4.0, "bfloat16": 2.0, "e3m0": 0.5}
+
+
+def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:
+    """One fragment (1/P of the model) every H/P steps: on average DiLoCo's bytes over H
+    steps; in float32 an all-reduce, else an all-to-all and an all-gather of the codes."""
+    if not s.amortize:
+        return []
+    fragments, size = options["fragments"], s.params * _BYTES[options["outer_dtype"]]
+    share = fragments / options["every"]
+    if options["outer_dtype"] == "float32":
+        return [perfmodel.Collective("allreduce", s.nodes, size / fragments, share)]
+    kinds = ("alltoall", "allgather")
+    return [perfmodel.Collective(k, s.nodes, size / fragments, share) for k in kinds]
+
+
+def _window(options: Mapping[str, Any]) -> perfmodel.Window:
+    """With a delay (or eager updates) the exchange runs beside the next steps' compute."""
+    return "step" if options["eager"] or options["delay"] != 0 else "none"
+
+
+registry.register(registry.Method(
+    streaming_diloco, "params", title="Streaming DiLoCo", paper="Douillard et al., 2025",
+    page="diloco", collectives=_pattern, window=_window, per_device=True,
+))  # fmt: skip

@@ -95,7 +95,14 @@ def _decode_bf16_rows(
     return [values[..., a:b] for a, b in _compressed.bounds(widths)]
 
 
+# On a leaf split over other mesh axes than the data axes (`_compressed.compressed_mean`).
+E3M0_WHO = "streaming_diloco(outer_dtype='e3m0')"
+E3M0_FIX = (
+    "Use outer_dtype='bfloat16' (rounded entry by entry: each piece gets the whole tensor's "
+    "bits) or 'float32', or keep such leaves replicated over those axes"
+)
+
 CODECS = {
     "e3m0": _compressed.Codec(_encode_e3m0_rows, _decode_e3m0_rows, multiple=2),
-    "bfloat16": _compressed.Codec(_encode_bf16_rows, _decode_bf16_rows, multiple=1),
+    "bfloat16": _compressed.Codec(_encode_bf16_rows, _decode_bf16_rows, multiple=1, scaled=False),
 }

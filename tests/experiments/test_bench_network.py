@@ -15,13 +15,19 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from test_experiments import import_script
 
+from gradcomm import parallel, wire
 from gradcomm_experiments import methods, provenance
 from gradcomm_experiments.network import cluster as netcluster
 from gradcomm_experiments.network import mesh as netmesh
 from gradcomm_experiments.network import report as netreport
+from gradcomm_experiments.network import utilization as netutil
 from gradcomm_experiments.network import worker as networker
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -80,6 +86,7 @@ def test_refuses_without_root_as_a_process():
         (["--mesh", "fsdp", "--nodes", "2,3"], "node counts [3] do not divide them"),
         (["--mesh", "tp", "--patterns"], "--patterns times raw collectives on the flat mesh"),
         (["--mesh", "tp", "--peer"], "--peer runs beside the flat rows"),
+        (["--utilization", "--patterns"], "--utilization runs its own rows on the flat mesh"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
@@ -276,6 +283,8 @@ def test_tiny_run_writes_records(tmp_path):
             assert r["timing"] == "median" and r["cycle"] == 1
     local = next(r for r in records if r["label"] == "local-sgd")
     assert local["method"] == "local_sgd" and local["options"] == {"every": 20}
+    # Its peak step sends the whole model; on average, a twentieth of it.
+    assert local["peak_bytes_per_step"] > 10 * local["bytes_per_step"]
     assert local["timing"] == "cycle-mean" and local["cycle"] == 20
     assert (tmp_path / "network.png").stat().st_size > 0
     assert "netem" in (tmp_path / "network.md").read_text()
@@ -510,3 +519,124 @@ def test_tiny_mesh_run_records_the_mesh(tmp_path):
         assert r["baseline"] == "allreduce (psum_scatter)"
     text = (tmp_path / "network.md").read_text()
     assert "mesh fsdp" in text and "allreduce (psum_scatter)" in text
+
+
+# ------------------------------------------------------------------------------------------
+# Whole cycles and steady states (Streaming DiLoCo, 1-bit Adam), peak bytes, utilization.
+
+
+def test_onebit_adam_is_timed_past_its_warmup():
+    spec = networker.spec_of("onebit-adam")
+    assert spec.options == {"warmup_steps": networker.ONEBIT_WARMUP}
+    assert networker.warmup_of(spec) == networker.ONEBIT_WARMUP
+    assert networker.warmup_of(networker.spec_of("dropping")) == 0
+    assert networker.cycle(networker.spec_of("streaming-diloco"), 4) == 20
+    calls = []
+
+    def step(params, count, batch):
+        calls.append(count)
+        return params, count + 1, {"loss": jnp.zeros(())}
+
+    def warm(every, warmup):
+        calls.clear()
+        return networker.warm_up("x", step, jnp.zeros(()), 0, None, every, print, warmup)
+
+    run = warm(1, networker.ONEBIT_WARMUP)  # the phase's steps, then two steady ones, untimed
+    assert calls == list(range(networker.ONEBIT_WARMUP + 2)) and run["warmup_step_s"] > 0
+    run = warm(20, 0)  # a whole cycle and one step
+    assert len(calls) == 21 and run["warmup_step_s"] is None and run["cycle"] == 20
+
+
+def test_peak_bytes_leave_out_warmups_and_count_periodic_syncs():
+    def collective(sent):
+        return wire.Collective("all-reduce", "c", "main", sent, 2, 1, sent)
+
+    def conditional(computation, *branches):
+        return wire.Conditional("cond", computation, 1, True, tuple(branches))
+
+    warm = wire.Branch("warm-up all-reduce", "warm", None, 4, 1000.0)
+    nested = conditional("warm", wire.Branch("a", "a", None, None, 600.0))  # counted in warm
+    onebit = wire.WireReport(
+        (collective(8.0), collective(1000.0)), steady=58.0, average=58.0,
+        conditionals=(conditional("main", warm, wire.Branch("1-bit", "s", None, None, 50.0)),
+                      nested),
+    )  # fmt: skip
+    assert onebit.total == 1008 and networker.peak_after_warmup(onebit) == 58
+    sync = wire.Branch("average", "y", 20, None, 300.0)
+    periodic = wire.WireReport(
+        (collective(8.0), collective(300.0)), steady=8.0, average=23.0, period=20,
+        conditionals=(conditional("main", sync, wire.Branch("otherwise", "z", None, None, 0.0)),),
+    )  # fmt: skip
+    assert networker.peak_after_warmup(periodic) == 308
+
+
+def test_records_and_table_carry_peak_bytes_where_measured():
+    result = {"runs": [1.0], "bytes": 10.0, "cycle": 20, "params": 100, "peak_bytes": 200.0}
+    cell = {"allreduce": {**result, "cycle": 1, "peak_bytes": 10.0}, "streaming-diloco": result}
+    records = netreport.records_of(cell, 4, "100mbit", [95.0], False, {})
+    assert [r["peak_bytes_per_step"] for r in records] == [10.0, 200.0]
+    assert "| streaming-diloco | 1.00 (1.000) | 10 | 200 |" in netreport.table(records, ["100mbit"])
+    old = [{**r, "peak_bytes_per_step": None} for r in records]  # records from before
+    assert "peak" not in netreport.table(old, ["100mbit"])
+
+
+def test_utilization_figures_and_training_alone_sends_nothing():
+    def record(label, rate, step, phases=(1.0,)):
+        spec = netutil.VARIANTS.get(label)
+        described = spec.describe() if spec else {"method": None, "options": {}, "label": label}
+        return {**described, "nodes": 4, "rate": rate, "step_s": step, "phase_s": list(phases)}
+
+    phases = [0.1] * 18 + [0.3, 0.5]  # two syncing steps of 20
+    records = [
+        record(netutil.ALONE, "unshaped", 0.09),
+        record(netutil.ALONE, "100mbit", 0.1),
+        record("streaming-diloco-d0", "100mbit", 0.2, phases),
+        record("streaming-diloco", "100mbit", 0.125, phases),
+    ]
+    figs = netutil.figures(records)
+    by = {u["label"]: u for u in figs["utilization"]}
+    assert by["streaming-diloco"]["utilization"] == pytest.approx(0.09 / 0.125)
+    assert by["streaming-diloco"]["utilization_same_cell"] == pytest.approx(0.8)
+    assert by["streaming-diloco"]["sync_step_extra_s"] == pytest.approx(0.3)
+    (pair,) = figs["overlap"]
+    assert pair["hidden_share"] == pytest.approx(0.75)  # 0.075 of the 0.1 s sync cost
+    assert "| 4 | 100mbit | streaming-diloco | 0.1250 | 72.0% | 80.0% |" in netutil.markdown(
+        figs, "cmd", 1.0
+    )
+    # Training alone: the MLP's step and Adam on each device's own params, no collective.
+    mesh = parallel.make_mesh(devices=jax.devices()[:2])
+    params, loss_fn, data = networker.mlp_task((8, 4, 4, 2), 4)
+    init, step = netutil.alone_step(loss_fn, optax.adam(0.1), mesh)
+    placed = parallel.per_device(params, mesh)
+    state, batch = init(placed), parallel.shard_batch(data, mesh)
+    assert wire.measure(step, placed, state, batch).total == 0
+    first = step(placed, state, batch)[2]["loss"]
+    first = np.asarray(first)
+    assert first.shape == (2,) and not np.allclose(first[0], first[1])  # each its own half
+
+
+def test_utilization_runs_the_baselines_unshaped_and_the_variants_shaped(monkeypatch, tmp_path):
+    calls = []
+
+    def run_cell(nodes, rate, args, **config):
+        calls.append((nodes, rate, config["mode"], config["labels"]))
+        results = {
+            label: {"runs": [1.0], "cycle": 1, "bytes": 0.0, "peak_bytes": 0.0, "phase_s": [1.0]}
+            for label in config["labels"]
+        }
+        devices = {"platform": "cpu", "device_count": nodes, "process_count": nodes}
+        return {"results": results, "devices": devices}, [95.0] * nodes, None
+
+    monkeypatch.setattr(bench_network, "run_cell", run_cell)
+    monkeypatch.setattr(netcluster, "root_problem", lambda: None)
+    monkeypatch.setattr(provenance, "software", dict)  # no git per record
+    args = ["--utilization", "--nodes", "4", "--rates", "unshaped,100mbit", "--out", str(tmp_path)]
+    (done,) = bench_network.main(args)
+    assert calls == [
+        (4, "unshaped", "utilization", list(netutil.BASELINES)),
+        (4, "100mbit", "utilization", [*netutil.BASELINES, *netutil.VARIANTS]),
+    ]
+    assert json.loads((tmp_path / "utilization.json").read_text()) == done
+    assert all(r["provenance"]["devices"]["device_count"] == 4 for r in done["records"])
+    assert len(done["utilization"]) == len(netutil.VARIANTS)
+    assert "--utilization" in (tmp_path / "utilization.md").read_text()

@@ -22,6 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROWS = registry.rows()  # the network benchmark's methods, one device per host
 P = 4_194_304  # the network benchmark's MLP
 S = 4 * P  # 16 MiB
+# The methods whose records time whole cycles (an average, not a median).
+PERIODIC = ("local_sgd", "diloco", "streaming_diloco", "sgp", "dpsgd")
 LINK = 0.0958  # Gbit/s: the shaped 100 Mbit link as measured
 ONE_WAY = 8 * S / (LINK * 1e9)  # 1.40 s
 AVERAGE_50 = {"name": "periodic_average", "every": 50}  # dropping-local's sync
@@ -371,7 +373,7 @@ def simulate(truth, nodes=(2, 4), rates=(None, 100.0, 1000.0), methods=ROWS):
                 steps[row["label"]] = pm.predict(m, P, n, gbps, options=o, sync=sync, **kw).step_s
             for row in methods:
                 label, m = row["label"], row["method"]
-                periodic = m in ("local_sgd", "diloco", "sgp", "dpsgd") or row["sync"] is not None
+                periodic = m in PERIODIC or row["sync"] is not None
                 out.append(
                     {
                         **row,

@@ -217,3 +217,19 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="floating"):
         tx.init(jnp.ones(3, jnp.int32))
     assert gradcomm.onebit_adam is onebit_adam
+
+
+def test_fsdp_params_say_what_to_do():
+    """With params split over the data axis (FSDP), train_step hands each device the whole
+    gradient and wants its shard of the update back; 1-bit Adam's exchange returns whole
+    updates (its momentum is whole on every device, as in DeepSpeed, which refuses ZeRO
+    with it): a ValueError names the methods that reduce-scatter."""
+    from helpers import FSDP_SPECS, explicit_mesh, mlp_loss, mlp_problem
+
+    mesh = explicit_mesh((4,), ("data",))
+    params, batches = mlp_problem(steps=1)
+    placed = parallel.shard_params(params, mesh, FSDP_SPECS)
+    tx = onebit_adam("data", LR, warmup_steps=1)
+    with pytest.raises(ValueError, match=r"FSDP.*allreduce\(specs=\.\.\.\)"):
+        state = parallel.init_state(tx, placed, mesh)
+        parallel.train_step(mlp_loss, tx, mesh)(placed, state, batches[0])

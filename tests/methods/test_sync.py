@@ -1,5 +1,7 @@
 """Explicit parameter synchronization: `gradcomm.average_params`, `periodic_average`,
-`local_sgd`, and `train_step(..., sync=...)`.
+`local_sgd`, and `train_step(..., sync=...)`; Streaming DiLoCo (4-bit E3M0 and bfloat16
+outer gradients) and DiLoCo's eager updates held to the same contexts where they differ
+(their float64 references are in test_streaming_diloco.py).
 
 The sync is applied to the params themselves after the optimizer's step, the same bits on
 every device, in `train_step`, a hand-written `shard_map` loop, `pmap` and a named `vmap`
@@ -156,15 +158,30 @@ def test_local_sgd_in_pmap_and_vmap_matches_a_float64_reference(context, n):
     assert (got == got[:1]).all()
 
 
-@pytest.mark.parametrize("factory", [gradcomm.local_sgd, gradcomm.periodic_average])
+# `factory(axis, every=...)`: the plain syncs, Streaming DiLoCo (2 fragments, E3M0, a delay)
+# and DiLoCo's eager updates (per-device anchor and outer state). The steps' trace count
+# skips Streaming DiLoCo: its state's layout is eager's, without the per-device leaves.
+FACTORIES = {
+    "local_sgd": gradcomm.local_sgd,
+    "periodic_average": gradcomm.periodic_average,
+    "streaming_diloco": gradcomm.streaming_diloco,
+    "diloco_eager": functools.partial(gradcomm.diloco, eager=True),
+}
+
+
+@pytest.mark.parametrize("factory", FACTORIES.values(), ids=FACTORIES)
 def test_a_sync_chained_as_a_transformation_says_where_it_goes(factory):
     tx = optax.chain(optax.sgd(0.1), factory("data", every=2))
-    params = jnp.zeros(3)
+    params = {"a": jnp.zeros((1, 3)), "b": jnp.zeros((1, 2))}  # two layers: two fragments
     with pytest.raises(ValueError, match=r"not an optax transformation.*sync=\.\.\."):
-        jax.vmap(lambda p: tx.update(p, tx.init(p), p), axis_name="data")(params[None])
+        jax.vmap(lambda p: tx.update(p, tx.init(p), p), axis_name="data")(params)
 
 
-@pytest.mark.parametrize("factory", [gradcomm.local_sgd, gradcomm.periodic_average])
+@pytest.mark.parametrize(
+    "factory",
+    [f for k, f in FACTORIES.items() if k != "streaming_diloco"],
+    ids=[k for k in FACTORIES if k != "streaming_diloco"],
+)
 def test_steps_with_a_sync_trace_once(factory):
     traces = []
 
@@ -247,3 +264,48 @@ def test_params_sharded_over_a_model_axis(factory):
         assert (synced == synced[:, :1]).all()  # averaged: the same on every data device
         if factory:
             assert not (got[k][0] == got[k][0, :1]).all()  # between averages, their own
+
+
+def test_streaming_diloco_on_params_sharded_over_a_model_axis():
+    """Streaming DiLoCo with two fragments (which train_step cannot lay out over 'model',
+    test_sharded.py) in bfloat16, whose rounding is entry by entry: each piece of a split
+    leaf gets the whole tensor's bits. (Eager updates over 'model': test_sharded.py's
+    train_step run.)"""
+    two, one = tp_meshes()
+
+    def sync():
+        return gradcomm.streaming_diloco(
+            "data", every=2, fragments=2, delay=0, outer_dtype="bfloat16"
+        )
+
+    got = tp_run(sync(), two, TP_SPECS)
+    want = tp_run(sync(), one, {k: P() for k in TP_SPECS})
+    for k in TP_SHAPES:
+        np.testing.assert_array_equal(got[k], want[k])
+    # Fragment 0 ("b", "w") took its outer step after step 1, fragment 1 ("c") after 2:
+    # then the same on every data device, before it each device's own.
+    assert (got["w"][0] == got["w"][0, :1]).all() and (got["c"][1] == got["c"][1, :1]).all()
+    assert not (got["c"][0] == got["c"][0, :1]).all()
+
+
+def test_e3m0_on_params_sharded_over_a_model_axis_says_what_to_do():
+    """E3M0's scales are per slice of the whole flattened leaf, which no device of a split
+    leaf holds: a ValueError that names the outer dtypes that work."""
+    two, _ = tp_meshes()
+    with pytest.raises(ValueError, match=r"split over mesh axes \('model',\).*'bfloat16'"):
+        tp_run(gradcomm.streaming_diloco("data", every=2, fragments=1), two, TP_SPECS)
+
+
+def test_streaming_diloco_composes_with_multisteps():
+    """The sync counts its own calls, MultiSteps' accumulating ones too: fragment 0 (the
+    leaf "b") syncs after call 2, fragment 1 ("w") after call 4, whatever MultiSteps did."""
+    tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    sync = gradcomm.streaming_diloco("data", every=4, fragments=2, delay=0, outer_dtype="float32")
+    history, *_ = train(tx, sync, steps=4)
+    equal = [
+        {k: bool(np.array_equal(x, x[:1].repeat(N, 0))) for k, x in p.items()} for p in history
+    ]
+    # Call 1 accumulates; call 2 steps each device, then syncs "b"; call 3 accumulates;
+    # call 4 steps, then syncs "w".
+    assert [e["b"] for e in equal] == [True, True, True, False]
+    assert [e["w"] for e in equal] == [True, False, False, True]

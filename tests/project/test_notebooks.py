@@ -38,6 +38,8 @@ COMPRESSING = {
     "powersgd",
     "low_precision",
     "diloco",
+    "streaming_diloco",
+    "onebit_adam",
     "local_sgd",
 }
 # A result line of the tour's `train`.

@@ -1,10 +1,11 @@
 """A run saved mid-way with orbax and restored continues bit for bit: Adam's per-device
-moments, a sync's step count, SGP's messages in flight, and onto another device count.
+moments, a sync's step count, SGP's messages in flight, DiLoCo's eager per-device anchors,
+and onto another device count.
 
 Every method of the README's table (SGD beside it) continues bit for bit from a checkpoint
 in test_contract.py's test_checkpoint_round_trip_continues_bit_for_bit; the runs here are
-the state that test has not: Adam's moments kept per device, local SGD's sync state, and
-SGP with and without a message in flight."""
+the state that test has not: Adam's moments kept per device, local SGD's sync state, SGP
+with and without a message in flight, and eager DiLoCo's per-device sync state."""
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +40,18 @@ METHODS = {
     # arrays at all (zero-size ones would not save).
     "sgp0": lambda: optax.chain(optax.sgd(0.05), gradcomm.sgp("data", overlap=0)),
     "sgp1": lambda: optax.chain(optax.sgd(0.05), gradcomm.sgp("data", overlap=1)),
+    # DiLoCo's eager updates (SGD and its sync, Streaming DiLoCo with one fragment): each
+    # device's own anchor, outer state and last outer gradient, and their mean in flight.
+    "diloco_eager": lambda: optax.sgd(0.05),
 }
-PER_DEVICE = {"local_sgd", "sgp0", "sgp1"}
+PER_DEVICE = {"local_sgd", "sgp0", "sgp1", "diloco_eager"}
 # Their state is test_contract's: the methods' own keys, counts and residuals (TernGrad, LAGS,
 # SLGS, gradient dropping), replicated state (allreduce), and D-PSGD's per-device params.
-ROUND_TRIPS = ["adasum", "local_sgd", "sgp0", "sgp1"]
-SYNCS = {"local_sgd": lambda: gradcomm.local_sgd("data", every=3)}
+ROUND_TRIPS = ["adasum", "local_sgd", "sgp0", "sgp1", "diloco_eager"]
+SYNCS = {
+    "local_sgd": lambda: gradcomm.local_sgd("data", every=3),
+    "diloco_eager": lambda: gradcomm.diloco("data", every=2, eager=True),
+}
 
 
 def _data(steps=3):
@@ -113,6 +120,10 @@ def test_state_checkpoints_and_restores_bit_identically(tmp_path, method):
         assert all(np.array_equal(w1[0], w1[i]) for i in range(N))
     if method == "sgp1":  # a message in flight (packed: one flat buffer per dtype)
         assert np.abs(np.asarray(saved[1][1].in_flight[0][0])).sum() > 0
+    if method == "diloco_eager":  # each device's own anchor and outer gradient, after
+        for leaf in (saved[1].sync.anchor["w1"], saved[1].sync.own["w1"]):  # its outer step
+            leaf = np.asarray(leaf)
+            assert not np.array_equal(leaf[0], leaf[1])
     if method == "sgp0":  # nothing in flight, and no arrays for it
         assert saved[1][1].in_flight == () and restored["state"][1].in_flight == ()
 

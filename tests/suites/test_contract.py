@@ -2,7 +2,9 @@
 
 Each case is one row of the table that is an optax transformation, Adasum twice (flat,
 and hierarchical with `local_axis`), SGP twice (no overlap, and overlap 1: "osgp") and
-gradient dropping twice (plain, `local="compensated"`). Local SGD and periodic averaging
+gradient dropping twice (plain, `local="compensated"`). 1-bit Adam is the whole optimizer
+(`Case.optimizer`): its chain is the method alone, and its first update the warm-up's
+Adam step on the mean gradient. Local SGD and periodic averaging
 are `gradcomm.ParamsSync` rules on the params, not transformations: `test_sync.py` holds
 them to the same contexts. Every case meets every check:
 
@@ -25,7 +27,10 @@ them to the same contexts. Every case meets every check:
   `parallel.train_step` and a hand-written `shard_map` loop;
 * an orbax round trip continues bit for bit;
 * on a mesh with a `'model'` axis beside the data axes, a leaf split over it (tensor
-  parallelism) gives the float64 reference's first update on the whole tensors.
+  parallelism) gives the float64 reference's first update on the whole tensors, or, for a
+  method whose codes are scaled over a whole tensor it cannot see (1-bit Adam,
+  `Case.split_error`), a ValueError that says what to do; leaves replicated over 'model'
+  then give the reference.
 
 Devices: N = 4 unless said otherwise. The gradient of `_loss` is the batch itself (the
 mean of the device's rows), so each device's gradient is whatever its batch shard holds.
@@ -74,6 +79,8 @@ class Case:
     hierarchical: bool = False  # mesh {"node": n // 2, "local": 2}
     rtol: float = 1e-5  # against the float64 reference's first update
     specs: bool = False  # takes the params' PartitionSpecs (`make(specs=...)`)
+    optimizer: bool = False  # the whole optimizer: no SGD beside it (`make(learning_rate)`)
+    split_error: str | None = None  # raises this on leaves split over 'model' (why: its doc)
 
 
 CASES = {
@@ -109,6 +116,14 @@ CASES = {
         specs=True,
     ),
     "low_precision": Case(lambda: gradcomm.low_precision("data"), before=True, rtol=2**-8),
+    # warm-up 1: the steps after the first send the momentum as signs. Its scales are per
+    # tensor and per slice of the flattened tensor, which no device of a split leaf sees.
+    "onebit_adam": Case(
+        lambda learning_rate=LR: gradcomm.onebit_adam("data", learning_rate, warmup_steps=1),
+        before=False,
+        optimizer=True,
+        split_error=r"onebit_adam scales its codes .* split over mesh axes \('model',\)",
+    ),
 }
 NAMES = list(CASES)
 
@@ -179,8 +194,17 @@ def _host_rows(name: str, params: Any, n: int) -> dict:
 
 def _chain(name: str, learning_rate: float = LR) -> optax.GradientTransformation:
     """The method with SGD, on the side of the optimizer where the method belongs."""
-    method, sgd = CASES[name].make(), optax.sgd(learning_rate)
-    return optax.chain(method, sgd) if CASES[name].before else optax.chain(sgd, method)
+    if CASES[name].optimizer:
+        return CASES[name].make(learning_rate)
+    return _with_sgd(CASES[name], CASES[name].make(), learning_rate)
+
+
+def _with_sgd(case: Case, method: Any, learning_rate: float = LR) -> Any:
+    """`method` with SGD on the side where it belongs; alone where it is the optimizer."""
+    if case.optimizer:
+        return method
+    sgd = optax.sgd(learning_rate)
+    return optax.chain(method, sgd) if case.before else optax.chain(sgd, method)
 
 
 def _shapes_of_state(tx: optax.GradientTransformation, params_rows: dict) -> Any:
@@ -295,6 +319,8 @@ def _reference(name: str, params: dict, grads: dict) -> dict | None:
 
     if name in ("allreduce", "low_precision"):  # low_precision: within bfloat16's rounding
         return per_leaf(lambda _, x: same(x.mean(0)))
+    if name == "onebit_adam":  # the warm-up: Adam's first step on the mean gradient
+        return per_leaf(lambda _, x: same(reference.adam_first_update(x.mean(0), LR, 1e-8)))
     if name == "powersgd":  # e = 0: P = normalize(mean(G) Q0), update = P P^T mean(G)
         out = {k: same(x.mean(0)) for k, x in g.items()}
         if "w" in g:  # the one matrix leaf
@@ -448,7 +474,12 @@ def test_a_model_axis_gives_the_whole_tensor_reference(name):
     data = {"node": 2, "local": 2} if CASES[name].hierarchical else {"data": N}
     mesh = parallel.make_mesh({**data, "model": 2}, devices=jax.devices()[: 2 * N])
     params, grads = _params_rows(name, N), _rows(7, N)
-    got = _model_axis_run(name, mesh, MODEL_SPECS, params, grads)
+    if CASES[name].split_error:  # a ValueError, and leaves replicated over 'model' are right
+        with pytest.raises(ValueError, match=CASES[name].split_error):
+            _model_axis_run(name, mesh, MODEL_SPECS, params, grads)
+        got = _model_axis_run(name, mesh, {k: P() for k in SHAPES}, params, grads)
+    else:
+        got = _model_axis_run(name, mesh, MODEL_SPECS, params, grads)
     want = _reference(name, params, grads)
     if want is None:  # random codes: the same as on the whole tensors with the same seed
         whole = parallel.make_mesh(data, devices=jax.devices()[:N])
@@ -549,7 +580,7 @@ def test_tree_map_params_maps_the_param_shaped_state(name):
     mapped = optax.tree_map_params(tx, f, state, params)
     assert jax.tree.structure(mapped) == jax.tree.structure(state)
     assert all(leaf == param for leaf, param in seen), seen
-    shaped = [jax.tree_util.GetAttrKey(k) for k in ("residual",)]
+    shaped = [jax.tree_util.GetAttrKey(k) for k in ("residual", "mu", "nu", "errors")]
     param_like = [getattr(state, k.name, None) for k in shaped]  # sgp's slots are packed
     assert len(seen) == len(jax.tree.leaves(param_like))
     for (path, got), want in zip(
@@ -599,8 +630,7 @@ class Run:
 @functools.cache
 def _plain(name: str) -> Run:
     case, mesh = CASES[name], _mesh(name)
-    method, sgd = _with_extra_args(case.make()), optax.sgd(LR)
-    tx = optax.chain(method, sgd) if case.before else optax.chain(sgd, method)
+    tx = _with_sgd(case, _with_extra_args(case.make()))
     traces: list[int] = []
     step = parallel.train_step(_counting_loss(traces), tx, mesh, params_per_device=case.per_device)
     params = [_place(name, mesh, _params_rows(name, N))]
@@ -801,7 +831,7 @@ def test_wrappers(name, wrapper, loop):
                 jax.tree.leaves(rows_of(moved)), jax.tree.leaves(rows_of(still)), strict=True
             )
         )
-        if case.before:  # SGD last: a zero learning rate leaves the params
+        if case.before or case.optimizer:  # a zero learning rate leaves the params
             jax.tree.map(np.testing.assert_array_equal, rows_of(still), rows_of(params))
     assert len(traces) == 1
 

@@ -64,6 +64,7 @@ CASES = {
     "sgp": Case(lambda specs: gradcomm.sgp("data"), rtol=0, whole_tensor=False),
     "osgp": Case(lambda specs: gradcomm.sgp("data", overlap=1), rtol=0, whole_tensor=False),
     "dpsgd": Case(lambda specs: gradcomm.dpsgd("data"), rtol=0, whole_tensor=False),
+    "onebit_adam": Case(lambda specs: gradcomm.onebit_adam("data", 0.1, warmup_steps=1)),
 }
 
 
@@ -94,7 +95,10 @@ def _relative(got, want):
 # any split dimension and which keeps no state: test_contract's
 # test_a_model_axis_gives_the_whole_tensor_reference holds every method (flat and
 # hierarchical Adasum too) to the float64 reference on a column-split leaf.
+# 1-bit Adam raises on split leaves: test_contract and
+# test_compressed_codes_on_split_params_say_what_to_do below.
 ELSEWHERE = {
+    "onebit_adam",
     "adasum",
     "low_precision",
     "powersgd",
@@ -164,6 +168,15 @@ TP_CASES = {
     "diloco": TpCase(
         None, per_device=True, sync=lambda: gradcomm.diloco("data", optax.sgd(0.7), every=2)
     ),
+    # Eager updates: the anchor and outer state per device (and split like the params);
+    # bfloat16 outer gradients, rounded entry by entry (E3M0's scales raise, below).
+    "streaming_diloco_eager": TpCase(
+        None,
+        per_device=True,
+        sync=lambda: gradcomm.streaming_diloco(
+            "data", every=2, fragments=1, outer_dtype="bfloat16", eager=True
+        ),
+    ),
 }
 
 
@@ -210,9 +223,45 @@ def test_train_step_keeps_params_split_over_the_model_axis(name):
     # The state mirrors the params' split: Adam's moments are split like them (after a
     # leading device axis where each device runs its own Adam).
     adam = next(s for s in jax.tree.leaves(state, is_leaf=_is_adam) if _is_adam(s))
+    mirrors = [adam.mu]
+    if name == "streaming_diloco_eager":  # and its per-device anchor and outer momentum
+        is_trace = lambda x: isinstance(x, optax.TraceState)  # noqa: E731
+        trace = next(x for x in jax.tree.leaves(state.sync, is_leaf=is_trace) if is_trace(x))
+        mirrors += [state.sync.anchor, trace.trace]
     for k, spec in MLP_SPECS.items():
-        tail = _spec(adam.mu[k])[len(_spec(adam.mu[k])) - len(spec) :] if len(spec) else ()
-        assert P(*tail) == spec, (k, _spec(adam.mu[k]))
+        for tree in mirrors:
+            tail = _spec(tree[k])[len(_spec(tree[k])) - len(spec) :] if len(spec) else ()
+            assert P(*tail) == spec, (k, _spec(tree[k]))
+
+
+SPLIT_ERRORS = {  # name: (options of streaming_diloco, or None for onebit_adam; message)
+    "e3m0": ({"fragments": 1}, r"outer_dtype='e3m0'.*split over mesh axes \('model',\)"),
+    "fragments": ({"fragments": 2, "outer_dtype": "bfloat16"}, r"use fragments=1 there"),
+    "onebit_adam": (None, r"onebit_adam scales .* \('model',\).* replicated over the model"),
+}
+
+
+@pytest.mark.parametrize("name", SPLIT_ERRORS)
+def test_compressed_codes_on_split_params_say_what_to_do(name):
+    """In train_step on the MLP split over 'model': E3M0 and 1-bit Adam scale their codes
+    over slices (and tensors) of the whole leaf, which no device holds; with several
+    fragments each fragment's outer state holds some leaves, which train_step cannot lay
+    out over 'model'. Each raises a ValueError that names what works."""
+    from gradcomm import parallel
+
+    _, two = _meshes()
+    params, _ = mlp_problem()
+    options, message = SPLIT_ERRORS[name]
+    per_device = options is not None
+    placed = parallel.shard_params(params, two, MLP_SPECS, per_device=per_device)
+    kwargs = {"params_per_device": per_device, "axes": "data"}
+    if per_device:
+        tx = optax.sgd(0.1)
+        kwargs["sync"] = gradcomm.streaming_diloco("data", every=2, **options)
+    else:
+        tx = gradcomm.onebit_adam("data", 0.1, warmup_steps=1)
+    with pytest.raises(ValueError, match=message):
+        parallel.init_state(tx, placed, two, **kwargs)
 
 
 def _spec(x):

@@ -92,9 +92,16 @@ def parse(text: str, nodes: Sequence[int], patterns: bool, peer: bool) -> list[s
 
 def run_worker(config: dict[str, Any]) -> None:
     """A worker process of `bench_network.py` (`python -m gradcomm_experiments.network.worker
-    CONFIG`): raw collectives, the flat rows or a 2-D mesh's, as its config says."""
+    CONFIG`): raw collectives, the utilization variants, the flat rows or a 2-D mesh's, as
+    its config says."""
     if config.get("mode") == "patterns":
-        networker.pattern_worker(config)
+        from gradcomm_experiments.network import patterns
+
+        patterns.pattern_worker(config)
+    elif config.get("mode") == "utilization":
+        from gradcomm_experiments.network import utilization
+
+        utilization.worker(config)
     elif config.get("mesh", "flat") != "flat":
         worker(config)
     else:
@@ -253,8 +260,9 @@ def worker(config: dict[str, Any]) -> None:
         params, state, step = start(method, loss_fn, mesh, host_params, specs, data_axes)
         sent = wire_bytes(step, params, state, batch, data_axes) if config["measure_bytes"] else {}
         log(f"{label}: built and compiled in {time.perf_counter() - t0:.1f}s")
-        every = networker.cycle(networker.spec_of(label), nodes)
-        runs[label] = networker.warm_up(label, step, params, state, batch, every, log)
+        spec = networker.spec_of(label)
+        every, warmup = networker.cycle(spec, nodes), networker.warmup_of(spec)
+        runs[label] = networker.warm_up(label, step, params, state, batch, every, log, warmup)
         runs[label]["sent"] = sent
 
     networker.time_runs(runs, labels, batch, config, log)

@@ -18,8 +18,9 @@ from gradcomm_experiments import report
 from gradcomm_experiments.methods import NETWORK
 from gradcomm_experiments.network import cluster as netcluster
 from gradcomm_experiments.network.mesh import MESHES
+from gradcomm_experiments.network.patterns import PATTERNS
 from gradcomm_experiments.network.peer import BASELINE, BUCKET_CAP_MB, HOOKS, VARIANTS
-from gradcomm_experiments.network.worker import PATTERNS, spec_of
+from gradcomm_experiments.network.worker import spec_of
 
 # The peer rows as the tables and the plot name them.
 PEER_NAMES = {
@@ -75,7 +76,10 @@ def records_of(
             continue
         key = (name, nodes, label)
         if res["bytes"] is not None:
-            bytes_known[key] = {"bytes_per_step": res["bytes"]}
+            bytes_known[key] = {
+                "bytes_per_step": res["bytes"],
+                "peak_bytes_per_step": res.get("peak_bytes"),
+            }
             if mesh:
                 bytes_known[key].update(
                     link_bytes_per_step=res["link_bytes"], bytes_by_axes=res["bytes_by_axes"]
@@ -97,6 +101,8 @@ def records_of(
                 **where,
                 "devices_per_process": 2 if local or mesh else 1,
                 "bytes_per_step": known.get("bytes_per_step"),
+                "peak_bytes_per_step": known.get("peak_bytes_per_step"),
+                "warmup_step_s": res.get("warmup_step_s"),
                 "cycle": res["cycle"],
                 "timing": "cycle-mean" if res["cycle"] > 1 else "median",
                 "backend": "gloo",
@@ -189,8 +195,9 @@ def panels(records: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
 
 def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
     """Markdown: per mesh and node count, a row per method and a column per rate (ratio,
-    seconds). The flat rows' bytes are all a device sends; a 2-D mesh's are split into
-    those over the data axes (across the links) and those over the model axis only.
+    seconds). The flat rows' bytes are all a device sends (on average per step, and where
+    records have it, in the most expensive step after the warm-ups); a 2-D mesh's are split
+    into those over the data axes (across the links) and those over the model axis only.
 
     Peer rows follow the JAX rows, named "PyTorch DDP: ..." and relative to PyTorch's own
     allreduce; a line under the caption says so, and gives the thread setting.
@@ -226,9 +233,11 @@ def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
             for rate in rates
         }
         head = [f"{rate} ({link[rate]:.0f} Mbit/s)" if link[rate] else rate for rate in rates]
+        peaks = mesh == "flat" and any(c.get("peak_bytes_per_step") for c in cells.values())
         if mesh == "flat":
-            lines += [f"**N = {nodes}**", "", "| method | " + " | ".join(head) + " | bytes/step |"]
-            lines.append("| --- |" + " ---: |" * (len(rates) + 1))
+            lines += [f"**N = {nodes}**", "", "| method | " + " | ".join(head) + " | bytes/step |"
+                      + (" peak bytes/step |" if peaks else "")]  # fmt: skip
+            lines.append("| --- |" + " ---: |" * (len(rates) + 1 + peaks))
         else:
             some = next(iter(cells.values()))
             axes = " x ".join(f"{a} {n}" for a, n in some["mesh_axes"].items())
@@ -244,7 +253,8 @@ def table(records: Sequence[dict[str, Any]], rates: Sequence[str]) -> str:
             text = [f"{c['ratio_vs_allreduce']:.2f} ({c['step_s']:.3f})" if c else "—" for c in row]
             sent = next((c["bytes_per_step"] for c in row if c and c["bytes_per_step"]), None)
             if mesh == "flat":
-                shown = [sent]
+                peak = next((c.get("peak_bytes_per_step") for c in row if c and sent), None)
+                shown = [sent, peak] if peaks else [sent]
             else:
                 over = next((c["link_bytes_per_step"] for c in row if c and sent), None)
                 shown = [over, None if over is None else sent - over]

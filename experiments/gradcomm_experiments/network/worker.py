@@ -1,12 +1,13 @@
-"""The network benchmark's worker: one host's JAX process, timing methods or raw collectives.
+"""The network benchmark's worker: one host's JAX process, timing methods.
 
 `bench_network.py` starts one per host of an emulated cluster (`network.cluster`), as
 
     python -m gradcomm_experiments.network.worker '{"nodes": 2, "process": 0, ...}'
 
-(`network.mesh.run_worker` reads the config: raw collectives, the flat rows or a 2-D
-mesh's); each joins the run (gloo collectives over the shaped links) and process 0 prints
-its result as one line, `RESULT {"results": ..., "devices": ...}` (the devices as
+(`network.mesh.run_worker` reads the config: raw collectives, `network.patterns`; the
+utilization variants, `network.utilization`; the flat rows, here; or a 2-D mesh's);
+each joins the run (gloo collectives over the shaped links) and process 0 prints its
+result as one line, `RESULT {"results": ..., "devices": ...}` (the devices as
 `provenance.devices_info` gives them). JAX is imported inside the workers only: the driver
 reads the methods' specs from here without starting it, and the PyTorch peer worker
 (`network.peer`) builds the same MLP from `mlp_init`, which needs NumPy alone.
@@ -32,13 +33,46 @@ if TYPE_CHECKING:  # imported where used: it imports gradcomm, and the peer must
     from gradcomm_experiments import methods
 
 
+# 1-bit Adam's warm-up (all-reduced Adam) as the benchmark runs it: short, so that the
+# untimed warm-up (`warm_up`) gets past it and the timed steps are its 1-bit steady state;
+# the warm-up steps after the compiling one are timed apart (`"warmup_step_s"`).
+ONEBIT_WARMUP = 4
+# Per method, the options of its steady state: gradient dropping without its drop-ratio
+# warm-up (it has a steady state from the first step), 1-bit Adam past a short warm-up.
+STEADY = {"gradient_dropping": {"warmup_steps": 0}, "onebit_adam": {"warmup_steps": ONEBIT_WARMUP}}
+
+
 def spec_of(label: str) -> methods.Spec:
-    """The registry's method as the benchmark times it: in its steady state, without
-    gradient dropping's drop-ratio warm-up."""
+    """The registry's method as the benchmark times it, with the options of its steady
+    state (`STEADY`): gradient dropping without its drop-ratio warm-up, 1-bit Adam with a
+    warm-up of `ONEBIT_WARMUP` steps, which `warm_up` runs untimed."""
     from gradcomm_experiments import methods
 
     spec = methods.METHODS[label]
-    return spec.configured(warmup_steps=0) if "warmup_steps" in spec.options else spec
+    return spec.configured(**STEADY[spec.method]) if spec.method in STEADY else spec
+
+
+def warmup_of(spec: methods.Spec) -> int:
+    """The steps of a method's warm-up phase that run before its steady state (1-bit
+    Adam's all-reduced Adam); 0 for the others."""
+    return spec.options.get("warmup_steps", 0) if spec.method == "onebit_adam" else 0
+
+
+def peak_after_warmup(report: Any) -> float:
+    """The bytes one device sends in its most expensive step after the warm-ups, from a
+    `gradcomm.wire.WireReport`: its `total` (every conditional's largest branch) less, in
+    each outermost conditional, what its largest branch sends beyond its largest branch
+    that is not a warm-up (`first=`). Streaming DiLoCo's is a fragment's exchange, DiLoCo's
+    the whole model's; 1-bit Adam's the 1-bit exchange, not its warm-up all-reduce."""
+    inner = {b.computation for c in report.conditionals for b in c.branches}
+    peak = report.total
+    for cond in report.conditionals:
+        if cond.computation in inner:  # nested: its parent's branch already counts it
+            continue
+        after = [b.sent for b in cond.branches if b.first is None]
+        top = max(b.sent for b in cond.branches)
+        peak -= cond.count * (top - max(after, default=top))
+    return peak
 
 
 def cycle(spec: methods.Spec, nodes: int) -> int:
@@ -135,7 +169,7 @@ def compute_threads(threads: int | None) -> Iterator[None]:
                 os.sched_setaffinity(int(task), allowed)
 
 
-def _join(config: dict[str, Any], devices: int) -> list[Any]:
+def join(config: dict[str, Any], devices: int) -> list[Any]:
     """Joins the run as this host's process with `devices` CPU devices; all processes'.
 
     The backend starts here, with `config["threads"]` compute threads (`compute_threads`;
@@ -154,10 +188,10 @@ def _join(config: dict[str, Any], devices: int) -> list[Any]:
 
 
 def start(config: dict[str, Any], devices: int) -> tuple[list[Any], Any]:
-    """Joins the run with `devices` CPU devices (`_join`), turns on the compilation cache
+    """Joins the run with `devices` CPU devices (`join`), turns on the compilation cache
     (`config["cache"]`: later cells of a node count reuse the compiled steps); all
     processes' devices, and `log(text)`, which process 0 prints to stderr."""
-    devices_ = _join(config, devices)
+    devices_ = join(config, devices)
     import jax
 
     if config.get("cache"):
@@ -183,9 +217,8 @@ def worker(config: dict[str, Any]) -> None:
     import numpy as np
     import optax
 
-    from gradcomm import parallel
+    from gradcomm import parallel, wire
     from gradcomm_experiments import methods
-    from gradcomm_experiments.loop import bytes_per_step
 
     nodes = config["nodes"]
     # The default mesh, one axis across the hosts: what a user builds. Each step's first
@@ -201,16 +234,16 @@ def worker(config: dict[str, Any]) -> None:
     runs: dict[str, Any] = {}
     for label in labels:
         spec = spec_of(label)
-        if local and label == "allreduce":  # the baseline averages over every device
-            method = methods.build(spec, optax.adam(1e-4), mesh.axis_names)
-        else:
-            method = methods.build(spec, optax.adam(1e-4), axis)
+        axes = mesh.axis_names if local and label == "allreduce" else axis  # all devices
+        method = methods.build(spec, optax.adam(1e-4), axes, learning_rate=1e-4)
         params, state, step = method.start(loss_fn, mesh, host_params, donate=True)
         sent = None
-        if config["measure_bytes"]:
-            sent = bytes_per_step(method, loss_fn, mesh, params, batch, state=state, step=step)
-        runs[label] = warm_up(label, step, params, state, batch, cycle(spec, nodes), log)
-        runs[label]["bytes"] = sent
+        if config["measure_bytes"]:  # the step's own compiled program, which training reuses
+            sent = wire.measure(step, params, state, batch)
+        every, warmup = cycle(spec, nodes), warmup_of(spec)
+        runs[label] = warm_up(label, step, params, state, batch, every, log, warmup)
+        runs[label]["bytes"] = None if sent is None else sent.average
+        runs[label]["peak_bytes"] = None if sent is None else peak_after_warmup(sent)
 
     time_runs(runs, labels, batch, config, log)
     if main:
@@ -218,6 +251,8 @@ def worker(config: dict[str, Any]) -> None:
             label: {
                 "runs": run["times"],
                 "bytes": run["bytes"],
+                "peak_bytes": run["peak_bytes"],
+                "warmup_step_s": run["warmup_step_s"],
                 "cycle": run["cycle"],
                 "params": num_params,
                 "probe": probe_of(run["step"]),
@@ -236,19 +271,29 @@ def probe_of(step: Any) -> dict[str, Any] | None:
 
 
 def warm_up(
-    label: str, step: Any, params: Any, state: Any, batch: Any, every: int, log: Any
-) -> dict[str, Any]:
-    """Compiles and warms up a method's step (at least 3 steps, and a whole cycle of
-    `every`); its run record for `time_runs`: step, params, state, cycle, no times yet."""
+    label: str, step: Any, params: Any, state: Any, batch: Any, every: int, log: Any,
+    warmup: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Compiles and warms up a method's step (at least 3 steps, a whole cycle of `every`,
+    and past a warm-up phase of `warmup` steps by two, the first steady step's collectives
+    connecting untimed); its run record for `time_runs`: step, params, state, cycle, no
+    times yet, and the median of the warm-up phase's steps after the compiling one
+    (`warmup_step_s`; None without a phase, or with a phase of one step)."""
     import jax
+    import numpy as np
 
-    warm = max(3, every + 1)
+    warm = max(3, every + 1, warmup + 2)
     t0 = time.perf_counter()
-    for _ in range(warm):
+    phase = []
+    for k in range(warm):
+        t = time.perf_counter()
         params, state, metrics = step(params, state, batch)
-        jax.block_until_ready(metrics)
+        jax.block_until_ready((params, metrics))
+        if 0 < k < warmup:
+            phase.append(time.perf_counter() - t)
     log(f"{label}: compiled and warmed up ({warm} steps) in {time.perf_counter() - t0:.1f}s")
-    return {"step": step, "params": params, "state": state, "cycle": every, "times": []}
+    return {"step": step, "params": params, "state": state, "cycle": every, "times": [],
+            "warmup_step_s": float(np.median(phase)) if phase else None}  # fmt: skip
 
 
 def time_runs(
@@ -257,7 +302,8 @@ def time_runs(
 ) -> None:  # fmt: skip
     """`config["runs"]` interleaved runs of `config["steps"]` timed steps per method (whole
     cycles), the methods in a rotated order each run; appends each run's median step (the
-    mean over whole cycles where a cycle is longer than a step) to `runs[label]["times"]`."""
+    mean over whole cycles where a cycle is longer than a step) to `runs[label]["times"]`,
+    and its steps' times to `runs[label]["steps_s"]`."""
     import jax
     import numpy as np
 
@@ -277,97 +323,8 @@ def time_runs(
             run["params"], run["state"] = params, state
             stat = float(np.mean(times)) if run["cycle"] > 1 else float(np.median(times))
             run["times"].append(stat)
+            run.setdefault("steps_s", []).append(times)
             log(f"run {r + 1}: {label} {stat:.4f} s/step")
-
-
-PATTERNS = (
-    "psum",
-    "psum_scatter",
-    "all_gather",
-    "ppermute_ring",
-    "ppermute_one_way",
-    "ppermute_swap",
-    "all_to_all",
-    "pair_reduce_scatter",
-    "pair_psum",
-    "psum_f16",
-    "psum_bf16",
-    "psum_u16",
-)
-
-
-def pattern_worker(config: dict[str, Any]) -> None:
-    """One host's process: times each raw collective on a buffer of `--pattern-mib` MiB.
-
-    The buffer is each device's; `all_gather` gathers N pieces of 1/N of it. The two
-    `pair_*` patterns run over one size-2 axis of a mesh whose devices are factored into
-    size-2 axes (power-of-two N): a 2-member reduce-scatter of a 2-slot buffer (each
-    device sends one buffer, as in a swap) and a 2-member psum of the buffer, which is
-    what gradcomm's pairwise exchange runs (on the bits, as unsigned integers).
-    """
-    from gradcomm_experiments import provenance
-
-    devices = _join(config, 1)
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    n = len(devices)
-    size = int(config["pattern_mib"] * 2**20 // 4)
-    size -= size % (2 * n)
-    flat = jax.make_mesh((n,), ("data",), devices=devices)
-    bits = n.bit_length() - 1
-    pair_names = tuple(f"b{i}" for i in range(bits)) if n == 1 << bits else ()
-    pairs = jax.make_mesh((2,) * bits, pair_names, devices=devices) if pair_names else None
-
-    def shift(pairs_: list[tuple[int, int]]) -> Any:
-        return lambda x: lax.ppermute(x, "data", pairs_)
-
-    bodies: dict[str, tuple[Any, Any, int]] = {
-        "psum": (flat, lambda x: lax.psum(x, "data"), size),
-        "psum_scatter": (flat, lambda x: lax.psum_scatter(x, "data", tiled=True), size),
-        "all_gather": (flat, lambda x: lax.all_gather(x, "data", tiled=True), size // n),
-        "ppermute_ring": (flat, shift([(i, (i + 1) % n) for i in range(n)]), size),
-        "ppermute_one_way": (flat, shift([(i, i + 1) for i in range(0, n - 1, 2)]), size),
-        "ppermute_swap": (flat, shift([(i, i ^ 1) for i in range(n - n % 2)]), size),
-        "all_to_all": (flat, lambda x: lax.all_to_all(x, "data", 0, 0, tiled=True), size),
-        # The buffer's values in a 16-bit type, the cast included: what gloo's sum costs
-        # per format (XLA:CPU runs a bfloat16 all-reduce in float32).
-        "psum_f16": (flat, lambda x: lax.psum(x.astype(jnp.float16), "data"), size),
-        "psum_bf16": (flat, lambda x: lax.psum(x.astype(jnp.bfloat16), "data"), size),
-        "psum_u16": (flat, lambda x: lax.psum(x.astype(jnp.uint16), "data"), size),
-    }
-    if pairs is not None:
-        last = pair_names[-1]
-        bodies["pair_reduce_scatter"] = (
-            pairs, lambda x: lax.psum_scatter(x, last, tiled=True), 2 * size,
-        )  # fmt: skip
-        bodies["pair_psum"] = (pairs, lambda x: lax.psum(x, last), size)
-    results: dict[str, float] = {}
-    for name in PATTERNS:
-        if name not in bodies:
-            continue
-        mesh, body, count = bodies[name]
-        spec = P(mesh.axis_names)
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
-                                   check_vma=False))  # fmt: skip
-        local = np.ones((count,), np.float32)
-        x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
-        times = []
-        for k in range(config["pattern_repeats"] + 1):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            if k:  # the first call sets up gloo's connections
-                times.append(time.perf_counter() - t0)
-        results[name] = float(np.median(times))
-        if jax.process_index() == 0:
-            print(f"[{config['rate']} N={n}] {name}: {results[name]:.3f} s", file=sys.stderr)
-    if jax.process_index() == 0:
-        info = provenance.devices_info(devices)
-        print("RESULT " + json.dumps({"results": results, "devices": info}), flush=True)
 
 
 if __name__ == "__main__":  # one host's process: the JSON config is the only argument
