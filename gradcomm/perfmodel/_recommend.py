@@ -44,6 +44,7 @@ Device = Literal["gpu", "cpu"]
 GPU_TOKENS = 8192
 GPU_FLOPS = 400e12
 _RESULTS = "docs/results.md#"
+_DILOCO = _RESULTS + "diloco-family-streaming-diloco-eager-updates-and-1-bit-adam"
 # Per method, the study of its accuracy in docs/results.md (methods not here: the digits
 # comparison of every method, docs/results/compare.md).
 STUDIES = {
@@ -56,6 +57,9 @@ STUDIES = {
     "gradient_dropping": _RESULTS + "gradient-dropping-with-local-gradients",
     "local_sgd": _RESULTS + "gradient-dropping-with-local-gradients",
     "powersgd": _RESULTS + "powersgd-accuracy-against-rank",
+    "diloco": _DILOCO,
+    "streaming_diloco": _DILOCO,
+    "onebit_adam": _DILOCO,
 }
 COMPARE = "docs/results/compare.md"
 # The rows ranked on a GPU: every registered method with the options its studies ran

@@ -85,6 +85,12 @@ STUDIES = {
         "--length",
         "6",
     ],
+    # Streaming DiLoCo at its center (P = 2, tau = 1, E3M0) beside the all-reduce, H = 4 over
+    # the 11 steps (its grid, DiLoCo, eager updates and 1-bit Adam: other --runs of the loop).
+    "diloco_family.py": (
+        "--seeds 0 --epochs 1 --batch-size 64 --every 4 --runs allreduce,streaming "
+        "--fragments 2 --delays 1 --outer-dtypes e3m0"
+    ).split(),
 }
 
 
