@@ -40,6 +40,8 @@ QUOTED = [
     "docs/bench/network.md",
     "docs/bench/peer/network.md",
     "docs/bench/model.md",
+    "docs/bench/diloco_family/network.md",
+    "docs/results/diloco_family.md",
 ]
 
 _MISSING = [
