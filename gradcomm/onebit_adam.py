@@ -185,7 +185,7 @@ def onebit_adam(
     @wire.branch("warm-up all-reduce", first=warmup_steps)
     def warm(operands: tuple[Any, ...]) -> tuple[Any, ...]:
         grads, mu, nu, errors = operands
-        g = jax.tree.map(lambda x: _collectives_mean(x, axis_name), grads)
+        g = jax.tree.map(lambda x: lax.pmean(x.astype(jnp.float32), axis_name), grads)
         mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, mu, g)
         nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, nu, g)
         return mu, nu, errors
@@ -229,11 +229,6 @@ def onebit_adam(
         return out, OnebitAdamState(count, mu, nu, errors)
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-def _collectives_mean(x: jax.Array, axis_name: _axes.AxisName) -> jax.Array:
-    """The float32 mean of `x` over the devices (the warm-up's all-reduce)."""
-    return lax.pmean(x.astype(jnp.float32), axis_name)
 
 
 def _pattern(options: Mapping[str, Any], s: perfmodel.Setting) -> list[perfmodel.Collective]:

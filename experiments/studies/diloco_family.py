@@ -39,6 +39,7 @@ from gradcomm import parallel, perfmodel
 from gradcomm_experiments import cli, loop, provenance, report, runtime, tasks
 from gradcomm_experiments import data as datasets
 from gradcomm_experiments import methods as registry
+from gradcomm_experiments.network.worker import peak_after_warmup
 
 RUNS = ("allreduce", "local-sgd", "diloco", "diloco-eager", "streaming", "streaming-eager",
         "onebit-adam", "onebit-adam-eps")  # fmt: skip
@@ -123,16 +124,6 @@ def check_flags(args: argparse.Namespace) -> None:
             )
     if args.warmup_steps < 1:
         raise ValueError(f"--warmup-steps {args.warmup_steps}: must be at least 1")
-
-
-def peak_after_warmup(wire: gradcomm.wire.WireReport) -> float:
-    """The bytes of the worst step after the warm-ups: `total` with each conditional's
-    warm-up branch (`branch(..., first=w)`) replaced by its largest other branch."""
-    excess = 0.0
-    for c in wire.conditionals:
-        later = [b.sent for b in c.branches if b.first is None]
-        excess += c.count * (max(b.sent for b in c.branches) - max(later, default=0.0))
-    return wire.total - excess
 
 
 def _effective(spec: registry.Spec | dict[str, Any], warmup: bool = True) -> str:

@@ -9,6 +9,7 @@ place the state by it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -211,57 +212,47 @@ def layout(
     state_models = state_model_specs(tx, local_shapes(params, params_per_device), models)
     state_fsdp = [is_fsdp(m, names) for m in state_models]
     others = set(mesh.axis_names) - set(names)
-    flags = [False] * len(jax.tree.leaves(shapes))
-    while True:
-        found: list[bool] = []
 
-        def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
-            params = local_params(params, params_per_device)
-            leaves, treedef = jax.tree.flatten(tx.init(params))
-            leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
-            whole = gather_fsdp(params, fsdp, names)
-            grads = jax.tree.map(lambda x: _axes.vary(jnp.zeros_like(x), names), whole)
-            try:
-                _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
-            except (TypeError, ValueError) as e:
-                if not any(fsdp):
-                    raise
-                leaves = jax.tree.leaves(params)
-                hint = per_device_hint(
-                    [np.shape(x) for x, f in zip(leaves, fsdp, strict=True) if f]
-                )
+    def probe(params: Any, flags: list[bool], found: list[bool]) -> jax.Array:
+        params = local_params(params, params_per_device)
+        leaves, treedef = jax.tree.flatten(tx.init(params))
+        leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+        whole = gather_fsdp(params, fsdp, names)
+        grads = jax.tree.map(lambda x: _axes.vary(jnp.zeros_like(x), names), whole)
+        try:
+            _, new_state = tx.update(grads, jax.tree.unflatten(treedef, leaves), params)
+        except (TypeError, ValueError) as e:
+            if not any(fsdp):
+                raise
+            leaves = jax.tree.leaves(params)
+            hint = per_device_hint([np.shape(x) for x, f in zip(leaves, fsdp, strict=True) if f])
+            raise ValueError(
+                f"with params split over the data axes {names} (FSDP), the "
+                f"transformation gets each param's whole gradient and must return this "
+                f"device's shard of it; this one failed to ({e}). The gradcomm methods "
+                f"that reduce-scatter take the params' specs: allreduce(specs=...).{hint}"
+            ) from e
+        paths = jax.tree_util.tree_leaves_with_path(new_state)
+        for (path, x), model in zip(paths, state_models, strict=True):
+            split = _axes.varying_axes(x) & others
+            unlaid = split - {n for e in model if e for n in _axes.axis_names(e)}
+            if unlaid:
                 raise ValueError(
-                    f"with params split over the data axes {names} (FSDP), the "
-                    f"transformation gets each param's whole gradient and must return this "
-                    f"device's shard of it; this one failed to ({e}). The gradcomm methods "
-                    f"that reduce-scatter take the params' specs: allreduce(specs=...).{hint}"
-                ) from e
-            paths = jax.tree_util.tree_leaves_with_path(new_state)
-            for (path, x), model in zip(paths, state_models, strict=True):
-                split = _axes.varying_axes(x) & others
-                unlaid = split - {n for e in model if e for n in _axes.axis_names(e)}
-                if unlaid:
-                    raise ValueError(
-                        f"state leaf {jax.tree_util.keystr(path)} differs across the model "
-                        f"axes {sorted(unlaid)}, but it mirrors no param split over them, so "
-                        f"train_step cannot lay it out; this transformation's state is not "
-                        f"supported on params split over model axes"
-                    )
-            # A leaf split like an FSDP param varies over the data axes by being split.
-            found.extend(
-                bool(_axes.varying_axes(x) & set(names)) and not split
-                for x, split in zip(jax.tree.leaves(new_state), state_fsdp, strict=True)
-            )
-            return jnp.zeros(())
+                    f"state leaf {jax.tree_util.keystr(path)} differs across the model "
+                    f"axes {sorted(unlaid)}, but it mirrors no param split over them, so "
+                    f"train_step cannot lay it out; this transformation's state is not "
+                    f"supported on params split over model axes"
+                )
+        # A leaf split like an FSDP param varies over the data axes by being split.
+        found.extend(
+            bool(_axes.varying_axes(x) & set(names)) and not split
+            for x, split in zip(jax.tree.leaves(new_state), state_fsdp, strict=True)
+        )
+        return jnp.zeros(())
 
-        probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
-        with _checks.shapes_only(), _joined_branches():
-            jax.eval_shape(probe_map, params)
-        new = [f or g for f, g in zip(flags, found, strict=True)]
-        if new == flags:
-            _check_decisions(shapes, flags)
-            return flags
-        flags = new
+    flags = _fixed_point(len(jax.tree.leaves(shapes)), probe, mesh, param_spec, params)
+    _check_decisions(shapes, flags)
+    return flags
 
 
 def sync_layout(sync: Any, params: Any, mesh: Mesh, names: tuple[str, ...]) -> list[bool]:
@@ -270,23 +261,33 @@ def sync_layout(sync: Any, params: Any, mesh: Mesh, names: tuple[str, ...]) -> l
     every device), every leaf that comes out varying over the data axes."""
     models = model_specs(params, mesh, names, True)
     param_spec = with_device_axis(models, device_spec(mesh, names))
-    flags = [False] * len(jax.tree.leaves(jax.eval_shape(sync.init, local_shapes(params, True))))
+    count = len(jax.tree.leaves(jax.eval_shape(sync.init, local_shapes(params, True))))
+
+    def probe(params: Any, flags: list[bool], found: list[bool]) -> jax.Array:
+        params = local_params(params, True)
+        first = jax.tree.map(lambda x: _collectives.all_gather_invariant(x, names)[0], params)
+        leaves, treedef = jax.tree.flatten(sync.init(first))
+        leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
+        varied = jax.tree.map(lambda x: _axes.vary(x, names), params)
+        _, new_state = sync.update(varied, jax.tree.unflatten(treedef, leaves))
+        found.extend(bool(_axes.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state))
+        return jnp.zeros(())
+
+    return _fixed_point(count, probe, mesh, param_spec, params)
+
+
+def _fixed_point(
+    count: int, probe: Callable[..., jax.Array], mesh: Mesh, param_spec: Any, params: Any
+) -> list[bool]:
+    """The per-device flags of `count` state leaves: from all replicated, trace
+    `probe(params, flags, found)` under `shard_map` (shapes only, conditional branches
+    joined), which appends to `found` whether each new state leaf varies over the data
+    axes, until no flag turns on (flags only ever turn on, so this ends)."""
+    flags = [False] * count
     while True:
         found: list[bool] = []
-
-        def probe(params: Any, flags: list[bool] = flags, found: list[bool] = found) -> jax.Array:
-            params = local_params(params, True)
-            first = jax.tree.map(lambda x: _collectives.all_gather_invariant(x, names)[0], params)
-            leaves, treedef = jax.tree.flatten(sync.init(first))
-            leaves = [_axes.vary(x, names) if f else x for x, f in zip(leaves, flags, strict=True)]
-            varied = jax.tree.map(lambda x: _axes.vary(x, names), params)
-            _, new_state = sync.update(varied, jax.tree.unflatten(treedef, leaves))
-            found.extend(
-                bool(_axes.varying_axes(x) & set(names)) for x in jax.tree.leaves(new_state)
-            )
-            return jnp.zeros(())
-
-        probe_map = jax.shard_map(probe, mesh=mesh, in_specs=(param_spec,), out_specs=P())
+        traced = functools.partial(probe, flags=flags, found=found)
+        probe_map = jax.shard_map(traced, mesh=mesh, in_specs=(param_spec,), out_specs=P())
         with _checks.shapes_only(), _joined_branches():
             jax.eval_shape(probe_map, params)
         new = [f or g for f, g in zip(flags, found, strict=True)]
