@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from gradcomm import registry
 
@@ -216,11 +216,18 @@ class Method:
     compiled: dict[Any, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def start(
-        self, loss_fn: Any, mesh: Any, host_params: Any, *, donate: bool = False
+        self,
+        loss_fn: Any,
+        mesh: Any,
+        host_params: Any,
+        *,
+        donate: bool = False,
+        metrics: Literal["mean", "per_device"] = "mean",
     ) -> tuple[Any, Any, Any]:
         """`(params, state, step)`: the params placed on `mesh`, the state and the jitted step.
 
-        `loss_fn(params, batch) -> (loss, metrics)`; `host_params` one copy of the params.
+        `loss_fn(params, batch) -> (loss, metrics)`; `host_params` one copy of the params;
+        `metrics` as `parallel.train_step`'s.
         """
         from gradcomm import parallel
 
@@ -228,10 +235,12 @@ class Method:
         params = place(host_params, mesh)
         kw: dict[str, Any] = {"params_per_device": self.per_device, "sync": self.sync}
         state = parallel.init_state(self.tx, params, mesh, **kw)
-        key = (loss_fn, mesh, donate)
+        key = (loss_fn, mesh, donate, metrics)
         step = None if self.compiled is None else self.compiled.get(key)
         if step is None:
-            step = parallel.train_step(loss_fn, self.tx, mesh, has_aux=True, donate=donate, **kw)
+            step = parallel.train_step(
+                loss_fn, self.tx, mesh, has_aux=True, donate=donate, metrics=metrics, **kw
+            )
             if self.compiled is not None:
                 self.compiled[key] = step
         return params, state, step

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 import numpy as np
@@ -82,6 +82,8 @@ from gradcomm.parallel._state import TrainState, check_sync, init_state
 from gradcomm.parallel._validate import check_state_layout, check_update_shapes
 from gradcomm.sync import ParamsSync
 
+Metrics = Literal["mean", "per_device"]
+
 __all__ = [
     "LinkProbe",
     "StepProbe",
@@ -132,9 +134,13 @@ class TrainStep:
         donate: bool,
         sync: ParamsSync | None = None,
         overlap: bool = False,
+        metrics: Metrics = "mean",
     ) -> None:
         check_sync(sync, params_per_device)
+        if metrics not in get_args(Metrics):
+            raise ValueError(f"metrics must be one of {get_args(Metrics)}, not {metrics!r}")
         self._sync, self._overlap, self._inner = sync, overlap, tx
+        self._metrics = metrics
         tx = layerwise(tx) if overlap else tx
         self._tx, self._mesh, self._names = optax.with_extra_args_support(tx), mesh, names
         self._loss_fn = loss_fn
@@ -199,7 +205,11 @@ class TrainStep:
                             f"(gradcomm.allreduce, gradcomm.adasum) or pass "
                             f"params_per_device=True"
                         )
-            metrics = lax.pmean({"loss": loss, **aux}, names)
+            metrics = {"loss": loss, **aux}
+            if self._metrics == "mean":
+                metrics = lax.pmean(metrics, names)
+            else:  # no collective: each device's own, along a leading device axis
+                metrics = jax.tree.map(lambda x: _axes.vary(x, names)[None], metrics)
             return params, stack(tx_state, flags), metrics
 
         return body
@@ -289,7 +299,7 @@ class TrainStep:
                     self._body(flags, fsdp, exchange),
                     mesh=self._mesh,
                     in_specs=(param_specs, specs, self._spec),
-                    out_specs=(param_specs, specs, P()),
+                    out_specs=(param_specs, specs, P() if self._metrics == "mean" else self._spec),
                 )
 
             probe = None
@@ -338,12 +348,14 @@ def train_step(
     donate: bool = False,
     sync: ParamsSync | None = None,
     overlap: bool = False,
+    metrics: Metrics = "mean",
 ) -> TrainStep:
     """Builds the jitted data-parallel step `(params, state, batch) -> (params, state, metrics)`.
 
     On each device: the loss and gradient of `loss_fn(params, local_batch)`, then
     `tx.update(grads, state, params)` (the transformation's collectives run here), then
-    `optax.apply_updates`. Metrics are averaged over devices. Where the mesh spans
+    `optax.apply_updates`. Metrics are averaged over devices (or, with
+    `metrics="per_device"`, kept per device, with no collective). Where the mesh spans
     processes and the step swaps with `exchange="auto"`, its first call times it both
     ways (`TrainStep.probe`: a collective, a few steps) and keeps the faster.
 
@@ -377,6 +389,11 @@ def train_step(
         `init_state(..., sync=sync)` returns.
       overlap: run each layer's update in the backward pass; the state is then the
         per-layer state of `init_state(..., overlap=True)`.
+      metrics: "mean", the metrics averaged over the devices (a small all-reduce each
+        step, which also makes every device wait for the slowest); or "per_device",
+        each device's own, along a leading axis of the devices (`jnp.mean` them when you
+        log them). A method that talks only every H steps (`sync=gradcomm.diloco(...)`,
+        `local_sgd`, `streaming_diloco`) is then free of collectives between its syncs.
 
     Returns:
       A `TrainStep`: `step(params, state, batch)` returns the new params, the new state and
@@ -396,4 +413,6 @@ def train_step(
       (array([0.2, 0.2], dtype=float32), 1.0)
     """
     names = data_axes(mesh, axes)
-    return TrainStep(loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync, overlap)
+    return TrainStep(
+        loss_fn, tx, mesh, names, params_per_device, has_aux, donate, sync, overlap, metrics
+    )

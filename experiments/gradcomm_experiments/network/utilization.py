@@ -6,8 +6,10 @@ method's period. Training alone (`ALONE`) is the benchmark's step with no commun
 all: each host's own MLP, its forward and backward pass and Adam's update on its own
 gradient, in one jitted `shard_map` that holds no collective (`alone_step`; the worker
 checks from the compiled program, `gradcomm.wire`, that it sends nothing). `LOCAL` is the
-step every method's runs (`parallel.train_step`, per-device params, no sync): the same,
-plus the 8-byte mean of the loss and accuracy over the hosts.
+step every method's runs (`parallel.train_step`, per-device params, no sync), keeping each
+host's own loss and accuracy (`metrics="per_device"`), as every variant does: no collective
+between syncs. `LOCAL_MEAN` is the same with `train_step`'s default metrics, their mean
+over the hosts, a small all-reduce each step that makes every host wait for the slowest.
 
 The variants (`VARIANTS`) are Streaming DiLoCo at the benchmark's H = 20 and its default
 H = 100, with 2 (and 4) fragments, 4-bit (e3m0) or float32 outer gradients, and a delay of
@@ -18,7 +20,7 @@ beside them. Each is timed as the network benchmark times a periodic method
 step's time is kept by its phase in the cycle (`phase_s`), which shows what the syncing
 steps cost.
 
-A cell (a node count and rate) runs `ALONE` and `LOCAL`; a shaped cell also the variants.
+A cell (a node count and rate) runs the `BASELINES`; a shaped cell also the variants.
 `figures` reads the records: utilization against the unshaped cell's `ALONE` (the
 definition) and against the same cell's (the same run and link), and, per pair of delays,
 how much of the sync's cost the deferred exchange hides.
@@ -37,7 +39,8 @@ from gradcomm_experiments.network import worker as networker
 
 ALONE = "training-alone"
 LOCAL = "local-steps"
-BASELINES = (ALONE, LOCAL)
+LOCAL_MEAN = "local-steps-mean"
+BASELINES = (ALONE, LOCAL, LOCAL_MEAN)
 TARGET = 0.9  # issue 30: Streaming DiLoCo with 4-bit outer gradients at 100 Mbit, N = 4
 
 
@@ -124,9 +127,12 @@ def worker(config: dict[str, Any]) -> None:
             params = parallel.per_device(host_params, mesh)
             init, step = alone_step(loss_fn, opt, mesh)
             state = init(params)
-        else:
-            method = methods.build(spec, opt) if spec else methods.Method(LOCAL, opt, True)
-            params, state, step = method.start(loss_fn, mesh, host_params, donate=True)
+        else:  # each device's own metrics: no collective between syncs (but LOCAL_MEAN's)
+            method = methods.build(spec, opt) if spec else methods.Method(label, opt, True)
+            kind = "mean" if label == LOCAL_MEAN else "per_device"
+            params, state, step = method.start(
+                loss_fn, mesh, host_params, donate=True, metrics=kind
+            )
         sent = wire.measure(step, params, state, batch)
         if label == ALONE and sent.total:
             raise RuntimeError(f"training alone sends {sent.total} bytes a step; it must not")
