@@ -16,7 +16,7 @@ from helpers import mesh_of
 
 import gradcomm
 from gradcomm import _axes, parallel
-from gradcomm.parallel import _calibrate
+from gradcomm.parallel import _calibrate, _step
 
 
 def test_probe_times_both_swaps_records_the_faster_and_is_cached(monkeypatch):
@@ -41,7 +41,7 @@ def test_probe_needs_pairs():
 def _adasum_step(monkeypatch, spans: bool, tx: optax.GradientTransformation | None = None):
     """An Adasum (or `tx`) step on 4 devices, run once: the step, the new params, and
     whether its compiled program swaps by reduce-scatters."""
-    monkeypatch.setattr(parallel, "spans_processes", lambda mesh: spans)
+    monkeypatch.setattr(_step, "spans_processes", lambda mesh: spans)
     mesh = mesh_of(4)
     tx = tx or optax.chain(optax.sgd(0.1), gradcomm.adasum("data"))
     w = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
@@ -99,7 +99,7 @@ def test_step_probe_times_the_step_both_ways_and_follows_the_faster(monkeypatch)
     other = "permute" if faster == "pairwise" else "pairwise"
     times = (other, 2.0, 1.0) if other == "pairwise" else (other, 1.0, 2.0)
     fake = lambda lower, args: parallel.StepProbe(*times)  # noqa: E731
-    monkeypatch.setattr(parallel, "probe_step", fake)
+    monkeypatch.setattr(_step, "probe_step", fake)
     step, forced, swaps = _adasum_step(monkeypatch, spans=True)
     assert step.probe == parallel.StepProbe(*times)
     assert swaps == (other == "pairwise")
