@@ -76,7 +76,8 @@ def diloco(
     device): they are the first anchor.
 
         step = parallel.train_step(loss, optax.adamw(4e-4), mesh, params_per_device=True,
-                                   sync=gradcomm.diloco("data", every=500))
+                                   sync=gradcomm.diloco("data", every=500),
+                                   metrics="per_device")  # no collective between syncs
 
     A hand-written `shard_map` loop adds one line after `optax.apply_updates`:
     `params, sync_state = sync.update(params, sync_state)`.

@@ -151,7 +151,8 @@ def local_sgd(axis_name: _axes.AxisName = "data", *, every: int = 20) -> ParamsS
     `gradient_dropping(local=...)` the same rule is its periodic model averaging (3.1).
 
         step = parallel.train_step(loss, optax.sgd(0.1), mesh, params_per_device=True,
-                                   sync=gradcomm.local_sgd("data", every=20))
+                                   sync=gradcomm.local_sgd("data", every=20),
+                                   metrics="per_device")  # no collective between syncs
 
     A hand-written `shard_map` loop adds one line after `optax.apply_updates`:
     `params, sync_state = sync.update(params, sync_state)`.

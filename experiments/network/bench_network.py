@@ -330,6 +330,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="time training alone and Streaming DiLoCo's variants (network.utilization) "
         "instead of the methods; writes utilization.json and utilization.md",
     )  # fmt: skip
+    parser.add_argument(
+        "--variants", type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
+        default=None, help="with --utilization: comma-separated variants to time beside the "
+        f"baselines (default: all of {', '.join(netutil.VARIANTS)})",
+    )  # fmt: skip
     parser.add_argument("--pattern-mib", type=float, default=16, help="MiB per device")
     parser.add_argument("--pattern-repeats", type=int, default=5, help="calls per pattern")
     args = parser.parse_args(argv)
@@ -361,6 +366,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.utilization and (args.patterns or args.peer or args.mesh_list != ["flat"]):
         parser.error("--utilization runs its own rows on the flat mesh: no --patterns, --peer "
                      "or --mesh with it")  # fmt: skip
+    unknown = sorted(set(args.variants or ()) - set(netutil.VARIANTS))
+    if args.variants is not None and (unknown or not args.variants or not args.utilization):
+        known, bad = ", ".join(netutil.VARIANTS), ", ".join(unknown) or "none"
+        parser.error(f"--variants goes with --utilization, some of {known}; unknown: {bad}")
     if args.peer:
         problem = torch_problem()
         if problem:

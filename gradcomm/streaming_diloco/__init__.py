@@ -14,21 +14,21 @@ into its own, which have taken tau more inner steps:
 
     params_p = alpha params_p + (1 - alpha) global_p.
 
-The next outer gradient is taken against the global params (the anchor), never the
-mixed ones. With tau = 0 the fragment is set to the global params, as in DiLoCo; with
-P = 1, tau = 0 and float32 outer gradients the sync is `gradcomm.diloco`, bit for bit.
+The next outer gradient is taken against the global params (the anchor), never the mixed
+ones. With tau = 0 the fragment is set to the global params, as in DiLoCo; with P = 1,
+tau = 0 and float32 outer gradients the sync is `gradcomm.diloco`, bit for bit.
 
 Outer gradients travel in `outer_dtype`: "float32" (one all-reduce), "bfloat16", or
 "e3m0", the paper's 4-bit float (1 sign, 3 exponent, no mantissa bits) with a scale per
-slice; the low precisions go as a reduce-scatter and an all-gather of the encoded
-values, summed in float32 (see `gradcomm._compressed`), a quarter or an eighth of float32's bytes.
+slice; the low precisions go as a reduce-scatter and an all-gather of the encoded values,
+summed in float32 (see `gradcomm._compressed`): a quarter or an eighth of float32's bytes.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +57,6 @@ from gradcomm.streaming_diloco._fragments import (
 from gradcomm.sync import ParamsSync, _params_sync, average_params
 
 __all__ = ["StreamingDilocoState", "fragment_of_leaves", "streaming_diloco"]
-
-_OUTER_DTYPES = ("float32", "bfloat16", "e3m0")
 
 
 class StreamingDilocoState(NamedTuple):
@@ -105,7 +103,8 @@ def streaming_diloco(
     (`parallel.per_device(params, mesh)`).
 
         step = parallel.train_step(loss, optax.adamw(4e-4), mesh, params_per_device=True,
-                                   sync=streaming_diloco("data", every=100))
+                                   sync=streaming_diloco("data", every=100),
+                                   metrics="per_device")  # no collective between syncs
 
     A hand-written `shard_map` loop adds one line after `optax.apply_updates`:
     `params, sync_state = sync.update(params, sync_state)`.
@@ -210,8 +209,8 @@ def streaming_diloco(
     alpha = 0.5 if alpha is None else alpha
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be a float in [0, 1], got {alpha!r}")
-    if outer_dtype not in _OUTER_DTYPES:
-        raise ValueError(f"outer_dtype must be one of {_OUTER_DTYPES}, got {outer_dtype!r}")
+    if outer_dtype not in get_args(OuterDtype):
+        raise ValueError(f"outer_dtype must be one of {get_args(OuterDtype)}, got {outer_dtype!r}")
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     elif not isinstance(outer, optax.GradientTransformation):

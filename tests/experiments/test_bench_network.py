@@ -87,6 +87,8 @@ def test_refuses_without_root_as_a_process():
         (["--mesh", "tp", "--patterns"], "--patterns times raw collectives on the flat mesh"),
         (["--mesh", "tp", "--peer"], "--peer runs beside the flat rows"),
         (["--utilization", "--patterns"], "--utilization runs its own rows on the flat mesh"),
+        (["--utilization", "--variants", "diloco,nope"], "unknown: nope"),
+        (["--variants", "diloco"], "--variants goes with --utilization"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(args, message, capsys):
@@ -640,3 +642,6 @@ def test_utilization_runs_the_baselines_unshaped_and_the_variants_shaped(monkeyp
     assert all(r["provenance"]["devices"]["device_count"] == 4 for r in done["records"])
     assert len(done["utilization"]) == len(netutil.VARIANTS)
     assert "--utilization" in (tmp_path / "utilization.md").read_text()
+    calls.clear()
+    bench_network.main([*args, "--rates", "100mbit", "--variants", "diloco,local-sgd"])
+    assert calls == [(4, "100mbit", "utilization", [*netutil.BASELINES, "diloco", "local-sgd"])]

@@ -154,9 +154,11 @@ def worker(config: dict[str, Any]) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def labels_for(rate: str) -> list[str]:
-    """The rows a cell times: the baselines, and on a shaped link the variants too."""
-    return [*BASELINES, *(VARIANTS if rate != netcluster.UNSHAPED else ())]
+def labels_for(rate: str, variants: Sequence[str] | None = None) -> list[str]:
+    """The rows a cell times: the baselines, and on a shaped link the variants too (those
+    of `variants`, default all)."""
+    chosen = [v for v in VARIANTS if variants is None or v in variants]
+    return [*BASELINES, *(chosen if rate != netcluster.UNSHAPED else ())]
 
 
 def records_of(
@@ -199,7 +201,7 @@ def figures(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
         here = find(ALONE, r["nodes"], r["rate"])
         base = find(ALONE, r["nodes"], netcluster.UNSHAPED)
         phases = np.sort(r["phase_s"])[::-1]
-        syncs = r["options"].get("fragments", 2) if r["method"] == "streaming_diloco" else 1
+        syncs = _exchanges(r)
         util.append({
             "label": r["label"], "nodes": r["nodes"], "rate": r["rate"], "step_s": r["step_s"],
             "alone_unshaped_s": base and base["step_s"], "alone_same_cell_s": here["step_s"],
@@ -224,7 +226,9 @@ def figures(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
 
 
 def markdown(figs: dict[str, list[dict[str, Any]]], command: str, minutes: float) -> str:
-    """utilization.md's tables: the command, each variant's utilization, the overlap."""
+    """utilization.md's tables: the command, each variant's utilization, the overlap, and
+    every row's runs and phases."""
+    import numpy as np
 
     def pct(x: float | None) -> str:
         return "—" if x is None else f"{100 * x:.1f}%"
@@ -251,7 +255,30 @@ def markdown(figs: dict[str, list[dict[str, Any]]], command: str, minutes: float
         steps = [f"{o[k]:.4f}" for k in ("step_s_delay0", "step_s_delay1", "alone_s")]
         cells = [o["nodes"], o["rate"], o["delay0"], o["delay1"], *steps, pct(o["hidden_share"])]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += [
+        "",
+        "Each row's step by run (each run's mean step over its timed steps), and by phase of "
+        "its cycle (the median over the timed cycles): its ordinary step, and its slowest "
+        "steps, one per exchange.",
+        "",
+        "| N | rate | row | step (s) | runs (s) | ordinary step (s) | slowest steps (s) |",
+        "| ---: | --- | --- | ---: | --- | ---: | --- |",
+    ]
+    for r in figs.get("records", []):
+        phases = np.asarray(r["phase_s"])
+        slowest = np.argsort(phases)[::-1][: _exchanges(r)]
+        shown = ", ".join(f"{phases[i]:.3f} (step {i})" for i in slowest) if len(phases) > 1 else ""
+        runs = ", ".join(f"{t:.4f}" for t in r["step_s_runs"])
+        cells = [r["nodes"], r["rate"], r["label"], f"{r['step_s']:.4f}", runs,
+                 f"{np.median(phases):.4f}", shown]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
+
+
+def _exchanges(record: dict[str, Any]) -> int:
+    """How many steps of a record's cycle exchange: a fragment's each, else one."""
+    streaming = record["method"] == "streaming_diloco"
+    return record["options"].get("fragments", 2) if streaming else 1
 
 
 def measure(
@@ -266,7 +293,7 @@ def measure(
     start = time.perf_counter()
     for nodes in args.node_list:
         for rate in args.rate_list:
-            labels = labels_for(rate)
+            labels = labels_for(rate, args.variants)
             payload, links, _ = run_cell(nodes, rate, args, mode="utilization", labels=labels)
             cell = records_of(payload, nodes, rate, links)
             records += [{**r, "provenance": payload["devices"]} for r in cell]
