@@ -368,3 +368,13 @@ def hand_written_sync_loop(tx, sync, loss_fn, params, batch, mesh, steps):
     fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
     placed = jax.device_put(parallel.per_device(params, mesh), NamedSharding(mesh, spec))
     return jax.tree.map(np.asarray, fn(placed, parallel.shard_batch(batch, mesh)))
+
+
+def result_records(data):
+    """The records of a committed result JSON that carry provenance: a list's items, or a
+    dict itself, or (a dict of `"records"` and figures made from them) its records."""
+    if isinstance(data, list):
+        return data
+    if "provenance" not in data and "records" in data:
+        return data["records"]
+    return [data]

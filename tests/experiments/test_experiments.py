@@ -19,6 +19,7 @@ import uuid
 
 import numpy as np
 import pytest
+from helpers import result_records
 
 from gradcomm_experiments import cli, provenance, report
 from gradcomm_experiments import methods as registry
@@ -492,7 +493,7 @@ def test_committed_results_come_from_a_clean_tree():
     dirty = set()
     for path in sorted((ROOT / "docs").rglob("*.json")):
         data = json.loads(path.read_text())
-        for record in data if isinstance(data, list) else [data]:
+        for record in result_records(data):
             prov = record.get("provenance", {})
             if "backfilled" not in prov and prov.get("git_dirty") is True:
                 dirty.add(str(path.relative_to(ROOT)))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import result_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Every module of the library, packages' private ones included (perfmodel's in
@@ -95,8 +96,9 @@ def test_docs_python_examples_run(path):
 
 def test_every_committed_result_says_what_made_it():
     """Each JSON under docs/, and the packaged GPU kernel record under gradcomm/, carries a
-    provenance record with every key (per record, for a list of records); results made
-    before records existed say so in `backfilled`."""
+    provenance record with every key (per record, for a list of records or a dict of
+    `"records"` and figures made from them); results made before records existed say so
+    in `backfilled`."""
     import json
 
     from gradcomm_experiments import provenance
@@ -105,8 +107,7 @@ def test_every_committed_result_says_what_made_it():
     assert files and ROOT / "gradcomm/perfmodel/kernels_gpu/bench_kernels.json" in files
     for path in files:
         data = json.loads(path.read_text())
-        records = data if isinstance(data, list) else [data]
-        for record in records:
+        for record in result_records(data):
             prov = record.get("provenance")
             assert isinstance(prov, dict), f"{path.relative_to(ROOT)}: no provenance"
             missing = set(provenance.KEYS) - set(prov)
