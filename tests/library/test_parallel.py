@@ -120,19 +120,7 @@ def test_replicated_params_that_diverge_raise_a_clear_error():
         step(parallel.replicate(params, mesh), state, batch)
 
 
-def test_per_device_params_diverge_without_communication():
-    mesh = mesh_of(4)
-    params, batch = make_problem()
-    tx = optax.sgd(0.1)
-    copies = parallel.per_device(params, mesh)
-    state = parallel.init_state(tx, copies, mesh, params_per_device=True)
-    step = parallel.train_step(linear_loss, tx, mesh, params_per_device=True)
-    copies, state, _ = step(copies, state, batch)
-    w = np.asarray(copies["w"])
-    assert w.shape == (4, 5) and not np.allclose(w[0], w[1])
-
-
-def test_per_device_metrics_are_each_devices_own_and_need_no_collective():
+def test_per_device_params_diverge_and_per_device_metrics_need_no_collective():
     mesh = mesh_of(4)
     params, batch = make_problem()
     tx = optax.sgd(0.1)
@@ -144,10 +132,12 @@ def test_per_device_metrics_are_each_devices_own_and_need_no_collective():
     }
     sent = {k: gradcomm.wire.measure(s, copies, state, batch).total for k, s in steps.items()}
     assert sent["per_device"] == 0 < sent["mean"]
-    _, _, own = steps["per_device"](copies, state, batch)
     _, _, mean = steps["mean"](copies, state, batch)
+    stepped, _, own = steps["per_device"](copies, state, batch)
+    w = np.asarray(stepped["w"])
+    assert w.shape == (4, 5) and not np.allclose(w[0], w[1])
     shards = [{k: v[i * 16 : (i + 1) * 16] for k, v in batch.items()} for i in range(4)]
-    expected = [linear_loss(params, b) for b in shards]
+    expected = [linear_loss(params, b) for b in shards]  # each device's own loss
     np.testing.assert_allclose(own["loss"], expected, rtol=1e-6)
     np.testing.assert_allclose(mean["loss"], np.mean(expected), rtol=1e-6)
     with pytest.raises(ValueError, match="metrics must be one of"):
