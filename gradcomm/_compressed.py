@@ -7,7 +7,7 @@ reduce-scatter's bytes). Device j decodes the n rows it receives, sums them in f
 device order and divides by n, encodes that mean slice again and gathers everyone's (an
 `all_gather`); every device decodes the same gathered words, so the mean is the same bits
 everywhere. Both legs carry (n - 1) / n of the encoded buffer, as a ring all-reduce does
-of the float32 one; the scales go in the same buffer as the words, one collective a leg.
+of the float32 one.
 
 With error feedback (1-bit Adam, Tang et al. 2021, Algorithm 1), each device adds its
 worker error to its leaves before encoding and keeps what the encoding lost; device j adds
@@ -93,19 +93,6 @@ def _per_device(x: jax.Array, axis_name: _axes.AxisName) -> jax.Array:
     return x + (lax.axis_index(axis_name) * 0).astype(x.dtype)
 
 
-def _joined(words: jax.Array, scales: jax.Array) -> jax.Array:
-    """Words and float32 scales in one uint8 buffer (each row: its words, then its
-    scales' bytes), so that each leg is one collective: a collective's latency, not two."""
-    raw = lax.bitcast_convert_type(scales, jnp.uint8).reshape(*scales.shape[:-1], -1)
-    return jnp.concatenate([words, raw], axis=-1)
-
-
-def _parted(joined: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of `_joined`: (words, scales), the words `width` bytes a row."""
-    raw = joined[..., width:].reshape(*joined.shape[:-1], -1, 4)
-    return joined[..., :width], lax.bitcast_convert_type(raw, jnp.float32)
-
-
 def bounds(ws: Sequence[int]) -> list[tuple[int, int]]:
     """The (start, end) of each leaf's columns in rows laid end to end."""
     return list(itertools.pairwise([0, *itertools.accumulate(ws)]))
@@ -172,10 +159,11 @@ def _group_mean(
     if errors is not None:
         sent = codec.decode(words, scales, ws)
         worker = [_leaf(r - s, x) for r, s, x in zip(rows, sent, leaves, strict=True)]
-    payload = _per_device(_joined(words, scales), axis_name)
-    mine = lax.all_to_all(payload, axis_name, 0, 0, tiled=True)  # row j from every device
+    words, scales = _per_device(words, axis_name), _per_device(scales, axis_name)
+    mine = lax.all_to_all(words, axis_name, 0, 0, tiled=True)  # row j from every device
+    my_scales = lax.all_to_all(scales, axis_name, 0, 0, tiled=True)
     means = []
-    for r in codec.decode(*_parted(mine, words.shape[-1]), ws):  # per leaf (n, w)
+    for r in codec.decode(mine, my_scales, ws):  # per leaf (n, w)
         acc = r[0]
         for j in range(1, n):  # device order: every element summed the same way
             acc = acc + r[j]
@@ -196,6 +184,7 @@ def _group_mean(
             for m, s, x in zip(means, sent, leaves, strict=True)
         ]
         new_errors = Errors(worker, server)
-    gathered = _collectives.all_gather_invariant(_joined(words, scales), axis_name)  # everyone's
-    values = codec.decode(*_parted(gathered, words.shape[-1]), ws)  # per leaf (n, w)
+    gathered = _collectives.all_gather_invariant(words, axis_name)  # (n, W): everyone's
+    gathered_scales = _collectives.all_gather_invariant(scales, axis_name)
+    values = codec.decode(gathered, gathered_scales, ws)  # per leaf (n, w)
     return [_leaf(v, x) for v, x in zip(values, leaves, strict=True)], new_errors
