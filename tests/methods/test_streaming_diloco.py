@@ -259,6 +259,25 @@ def test_e3m0_codes_are_the_nearest_level_and_special_inputs():
     assert int(jnp.max(encode_e3m0(jnp.asarray(x), scale))) < 16
 
 
+def test_e3m0_decode_is_the_exact_level_wherever_it_is_normal():
+    # Every code at scales across float32's whole range (every exponent, random mantissas):
+    # the float64 level rounded to float32, wherever that is a normal number; NaN where the
+    # scale is not finite.
+    rng = np.random.default_rng(1)
+    exponents = np.repeat(np.arange(1, 255, dtype=np.uint32), 8) << 23
+    bits = exponents | rng.integers(0, 2**23, exponents.size, dtype=np.uint32)
+    scale = np.append(bits.view(np.float32), [np.inf, np.nan])[:, None]
+    codes = np.arange(16, dtype=np.uint8)[None]
+    got = np.asarray(decode_e3m0(jnp.asarray(codes), jnp.asarray(scale)))
+    e = (codes & 7).astype(int)
+    want = np.where(e > 0, np.ldexp(scale.astype(np.float64), e - 7), 0.0)
+    want = np.where(codes & 8, -want, want)
+    normal = np.isfinite(scale) & (np.abs(want) >= np.finfo(np.float32).tiny)
+    np.testing.assert_array_equal(got[normal], want[normal].astype(np.float32))
+    assert np.all(np.isnan(got[~np.isfinite(scale)[:, 0]]))
+    assert np.all(got[np.isfinite(scale) & (e == 0)] == 0)
+
+
 def test_non_finite_outer_gradients_reach_the_params_as_nan():
     n, steps = 2, 2
     mesh, fn = looped(n, 2, 1, 0, None, "e3m0")
