@@ -144,20 +144,29 @@ class TpCase:
     sync: Callable[[], object] | None = None
 
 
-# train_step lays out and steps params and state by what the chain's state holds, not by
-# the method: replicated state (allreduce), state leaves per device on replicated params
-# (lags's residual, as Adam's moments are where adasum follows Adam), per-device params
-# (before and after Adam), a ParamsSync. One method of each kind runs here; the others' whole-tensor
-# results are checked above and in their own files. In train_step, low_precision runs as
-# allreduce does; adasum, slgs, terngrad, powersgd and gradient_dropping as lags; dpsgd as
-# sgp; local_sgd as diloco.
+# Every method of the README's table (but 1-bit Adam, whose scales raise on split leaves:
+# test_compressed_codes_on_split_params_say_what_to_do) in train_step on the split MLP:
+# train_step lays out and steps params and state by what the chain's state holds
+# (replicated state, state leaves per device on replicated params, per-device params before
+# and after Adam, a ParamsSync), and each method's own whole-tensor results are checked
+# above and in its own file; here each goes through the step's own path on a model axis.
 TP_CASES = {
     "allreduce": TpCase(lambda specs: gradcomm.allreduce("data")),
-    # lags before Adam: after it (the paper's placement) its top k is of Adam's near-tied
-    # first updates, which the row-parallel psum's last-bit changes to the gradients
-    # reorder (test_lags checks Adam before lags, bit for bit, on a model whose split
-    # gradients keep their bits).
+    "low_precision": TpCase(lambda specs: gradcomm.low_precision("data")),
+    "adasum": TpCase(lambda specs: gradcomm.adasum("data"), before=False),
+    "terngrad": TpCase(lambda specs: gradcomm.terngrad("data", seed=2, specs=specs)),
+    "powersgd": TpCase(
+        lambda specs: gradcomm.powersgd("data", rank=2, min_compression_rate=1.0, specs=specs)
+    ),
+    "gradient_dropping": TpCase(
+        lambda specs: gradcomm.gradient_dropping("data", drop_ratio=0.9, warmup_steps=2)
+    ),
+    # lags and slgs before Adam: after it (the paper's placement) their top k is of Adam's
+    # near-tied first updates, which the row-parallel psum's last-bit changes to the
+    # gradients reorder (test_lags checks Adam before lags, bit for bit, on a model whose
+    # split gradients keep their bits).
     "lags": TpCase(lambda specs: gradcomm.lags("data", density=0.1, specs=specs)),
+    "slgs": TpCase(lambda specs: gradcomm.slgs("data", density=0.1, specs=specs)),
     "gradient_dropping_local": TpCase(
         lambda specs: gradcomm.gradient_dropping(
             "data", drop_ratio=0.9, warmup_steps=0, local="compensated"
@@ -165,8 +174,19 @@ TP_CASES = {
         per_device=True,
     ),
     "sgp": TpCase(lambda specs: gradcomm.sgp("data"), before=False, per_device=True),
+    "dpsgd": TpCase(lambda specs: gradcomm.dpsgd("data"), before=False, per_device=True),
+    "local_sgd": TpCase(None, per_device=True, sync=lambda: gradcomm.local_sgd("data", every=2)),
     "diloco": TpCase(
         None, per_device=True, sync=lambda: gradcomm.diloco("data", optax.sgd(0.7), every=2)
+    ),
+    # One fragment: with several, train_step's state layout raises on split params (its
+    # message says to use one, or a hand-written shard_map loop).
+    "streaming_diloco": TpCase(
+        None,
+        per_device=True,
+        sync=lambda: gradcomm.streaming_diloco(
+            "data", every=2, fragments=1, delay=1, outer_dtype="bfloat16"
+        ),
     ),
     # Eager updates: the anchor and outer state per device (and split like the params);
     # bfloat16 outer gradients, rounded entry by entry (E3M0's scales raise, below).
