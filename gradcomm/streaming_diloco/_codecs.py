@@ -50,8 +50,8 @@ def decode_e3m0(codes: jax.Array, scale: jax.Array) -> jax.Array:
 
     A level is the product of the scale and 2^(e - 7), built from its bits: exact wherever
     the level is a normal float32 (XLA:CPU flushes smaller ones to zero). `jnp.ldexp`
-    gives the same values through a float power per entry, which made this decode the
-    larger part of an exchange's compute.
+    gives the same normal values through a float power per entry, which made this decode
+    the larger part of an exchange's compute.
     """
     e = (codes & 7).astype(jnp.int32)
     power = lax.bitcast_convert_type((e + 127 + _SMALLEST - 1) << 23, jnp.float32)
