@@ -3,8 +3,8 @@ XLA's CPU code generation at its cheapest; the `build_once` fixture.
 
 The tests' shapes are small, so they spend most of their time compiling: LLVM's
 optimizations off (`jax_disable_most_optimizations`) and XLA:CPU's older fusion emitters
-halve the suite (tests/methods: 242 s against 105 s on two cores), as they do for the
-scripts the tests run (`test_experiments.script_env`). The HLO passes are the same, and so
+halve the suite (tests/methods: 242 s against 105 s on two cores); the scripts the tests
+run get the same (`test_experiments.script_env`). The HLO passes are the same, and so
 are the collectives that `gradcomm.wire` reads from the compiled program; the arithmetic
 may round differently where the optimized code would fuse a multiply-add (the golden test
 allows for that). Benchmarks and users get XLA's defaults.

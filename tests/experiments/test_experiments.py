@@ -96,15 +96,13 @@ STUDIES = {
 
 
 def script_env():
-    """The environment a script runs in: its own device count, and XLA's CPU codegen at its
-    cheapest: LLVM's optimizations off (`jax_disable_most_optimizations`) and the older
-    fusion emitters, where this XLA has the flag (the script server drops it where not).
-    These tiny runs spend most of their time compiling (more than twice as long without);
-    the HLO passes, and so the collectives gradcomm.wire reads, are the same, and so are the
-    results."""
+    """The environment a script runs in: its own device count, and the tests' cheapest XLA:CPU
+    codegen (tests/conftest.py: LLVM's optimizations off, and the older fusion emitters where
+    this XLA has the flag). These tiny runs spend most of their time compiling (more than
+    twice as long without); the HLO passes, and so the collectives gradcomm.wire reads, are
+    the same, and so are the results."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    return env | {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-                  "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"}  # fmt: skip
+    return env | {"XLA_FLAGS": os.environ["GRADCOMM_TEST_EMITTERS"]}
 
 
 def import_script(script):
@@ -151,19 +149,6 @@ def child(argv, out, err):  # never returns
     sys.stderr.flush()
     os._exit(code)
 
-def xla_takes_its_flags():  # an unknown flag in XLA_FLAGS aborts XLA
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-            jax.jit(lambda x: x + 1)(1.0)
-            os._exit(0)
-        finally:
-            os._exit(1)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-
-if not xla_takes_its_flags():
-    del os.environ["XLA_FLAGS"]
 children, parent = set(), os.getppid()
 for line in sys.stdin:
     request = json.loads(line)
