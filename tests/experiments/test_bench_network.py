@@ -617,6 +617,19 @@ def test_utilization_figures_and_training_alone_sends_nothing():
     assert first.shape == (2,) and not np.allclose(first[0], first[1])  # each its own half
 
 
+def test_straggling_is_the_slowest_hosts_lead_between_syncs():
+    # Two hosts, a cycle of 4 with its syncing step at phase 3; the run starts at phase 1.
+    hosts = np.array([
+        [1.0, 1.0, 5.0, 1.0, 1.0, 1.0, 5.0, 1.0],
+        [2.0, 2.0, 4.0, 1.0, 3.0, 1.0, 4.0, 9.0],
+    ])  # fmt: skip
+    # Syncs at steps 2 and 6; the one window between them, steps 3-5: 3 s and 5 s, the
+    # slowest 1 s above the mean, over the 4 steps from the first sync to the last.
+    assert netutil.straggling(hosts, 1, 4, [3]) == pytest.approx(0.25)
+    assert netutil.straggling(hosts, 1, 4, []) == 0.0  # no sync: nothing to wait for
+    assert netutil.straggling(hosts[:, :4], 1, 4, [3]) == 0.0  # one sync: no whole window
+
+
 def test_utilization_runs_the_baselines_unshaped_and_the_variants_shaped(monkeypatch, tmp_path):
     calls = []
 

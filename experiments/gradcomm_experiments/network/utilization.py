@@ -23,11 +23,14 @@ steps cost.
 A cell (a node count and rate) runs the `BASELINES`; a shaped cell also the variants.
 `figures` reads the records: utilization against the unshaped cell's `ALONE` (the
 definition) and against the same cell's (the same run and link), and, per pair of delays,
-how much of the sync's cost the deferred exchange hides.
+how much of the sync's cost the deferred exchange hides. Each row also records every
+host's mean step, and a periodic row what waiting for the slowest host at its syncs costs
+per step (`straggling`): between syncs the hosts step on their own and drift apart.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 from collections.abc import Callable, Sequence
@@ -140,18 +143,53 @@ def worker(config: dict[str, Any]) -> None:
         runs[label] = networker.warm_up(label, step, params, state, batch, every, log)
         runs[label].update(bytes=sent.average, peak=networker.peak_after_warmup(sent))
     networker.time_runs(runs, config["labels"], batch, config, log)
+    from jax.experimental import multihost_utils
+
+    out = {}
+    for label, run in runs.items():  # every process: each host's step times, (hosts, steps)
+        hosts = np.asarray(multihost_utils.process_allgather(np.asarray(run["steps_s"])))
+        every, warm = run["cycle"], max(3, run["cycle"] + 1)  # `warm_up`'s steps
+        steps = [t for times in run["steps_s"] for t in times]
+        phases = [
+            float(np.median(steps[(p - warm) % every :: every])) for p in range(every)
+        ]  # phase p: the steps whose 0-based index is p mod the cycle
+        spec = VARIANTS.get(label)
+        syncs = np.argsort(phases)[::-1][: _exchanges(spec.describe())] if spec else []
+        wait = [straggling(h, warm % every, every, syncs) for h in np.moveaxis(hosts, 1, 0)]
+        out[label] = {"runs": run["times"], "cycle": every, "bytes": run["bytes"],
+                      "peak_bytes": run["peak"], "phase_s": phases,
+                      "host_step_s": hosts.mean(axis=(1, 2)).tolist(),
+                      "straggling_s": float(np.mean(wait))}  # fmt: skip
     if jax.process_index() == 0:
-        out = {}
-        for label, run in runs.items():
-            every, warm = run["cycle"], max(3, run["cycle"] + 1)  # `warm_up`'s steps
-            steps = [t for times in run["steps_s"] for t in times]
-            phases = [
-                float(np.median(steps[(p - warm) % every :: every])) for p in range(every)
-            ]  # phase p: the steps whose 0-based index is p mod the cycle
-            out[label] = {"runs": run["times"], "cycle": every, "bytes": run["bytes"],
-                          "peak_bytes": run["peak"], "phase_s": phases}  # fmt: skip
         result = {"results": out, "devices": provenance.devices_info(devices)}
         print("RESULT " + json.dumps(result), flush=True)
+
+
+def straggling(hosts: Any, first_phase: int, every: int, syncs: Sequence[int]) -> float:
+    """What waiting for the slowest host costs a periodic row, per step.
+
+    Between two syncs the hosts step on their own and drift apart; at the sync the others
+    wait for the slowest. Over each window of steps between two syncing steps (complete
+    within the run), the slowest host's time less the hosts' mean, summed, over the steps
+    from the run's first syncing step to its last (0 with fewer than two).
+
+    Args:
+      hosts: one run's step times, `(hosts, steps)`.
+      first_phase: the phase in the cycle of the run's first step.
+      every: the cycle's length.
+      syncs: the phases of the steps that sync.
+    """
+    import numpy as np
+
+    hosts = np.asarray(hosts)
+    at = np.flatnonzero(np.isin((np.arange(hosts.shape[1]) + first_phase) % every, syncs))
+    if len(at) < 2:
+        return 0.0
+    lost = 0.0
+    for a, b in itertools.pairwise(at):
+        window = hosts[:, a + 1 : b].sum(axis=1)
+        lost += float(window.max() - window.mean())
+    return lost / (at[-1] - at[0])
 
 
 def labels_for(rate: str, variants: Sequence[str] | None = None) -> list[str]:
@@ -178,7 +216,9 @@ def records_of(
                     "step_s": float(np.median(res["runs"])), "step_s_runs": res["runs"],
                     "cycle": res["cycle"], "timing": "cycle-mean" if res["cycle"] > 1 else "median",
                     "bytes_per_step": res["bytes"], "peak_bytes_per_step": res["peak_bytes"],
-                    "phase_s": res["phase_s"], "backend": "gloo", "netem": False})  # fmt: skip
+                    "phase_s": res["phase_s"], "host_step_s": res.get("host_step_s"),
+                    "straggling_s": res.get("straggling_s"),
+                    "backend": "gloo", "netem": False})  # fmt: skip
     return out
 
 
@@ -209,6 +249,7 @@ def figures(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
             "utilization_same_cell": here["step_s"] / r["step_s"],
             "sync_cost_s_per_step": r["step_s"] - here["step_s"],
             "sync_step_extra_s": float(np.mean(phases[:syncs]) - np.median(phases)),
+            "straggling_s_per_step": r.get("straggling_s"),
         })  # fmt: skip
     for d0, d1 in PAIRS:
         for a in [r for r in records if r["label"] == d0]:
@@ -233,17 +274,20 @@ def markdown(figs: dict[str, list[dict[str, Any]]], command: str, minutes: float
     def pct(x: float | None) -> str:
         return "—" if x is None else f"{100 * x:.1f}%"
 
+    def sec(x: float | None) -> str:
+        return "—" if x is None else f"{x:.4f}"
+
     lines = [
         f"`{command}` ({minutes:.1f} min)",
         "",
         "| N | rate | variant | step (s) | utilization | same cell | sync cost (s/step) "
-        "| syncing step's extra (s) |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| syncing step's extra (s) | waiting for the slowest host (s/step) |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for u in figs["utilization"]:
         cells = [u["nodes"], u["rate"], u["label"], f"{u['step_s']:.4f}", pct(u["utilization"]),
                  pct(u["utilization_same_cell"]), f"{u['sync_cost_s_per_step']:.4f}",
-                 f"{u['sync_step_extra_s']:.4f}"]  # fmt: skip
+                 f"{u['sync_step_extra_s']:.4f}", sec(u.get("straggling_s_per_step"))]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += [
         "",
@@ -261,16 +305,18 @@ def markdown(figs: dict[str, list[dict[str, Any]]], command: str, minutes: float
         "its cycle (the median over the timed cycles): its ordinary step, and its slowest "
         "steps, one per exchange.",
         "",
-        "| N | rate | row | step (s) | runs (s) | ordinary step (s) | slowest steps (s) |",
-        "| ---: | --- | --- | ---: | --- | ---: | --- |",
+        "| N | rate | row | step (s) | runs (s) | ordinary step (s) | slowest steps (s) "
+        "| each host's mean step (s) |",
+        "| ---: | --- | --- | ---: | --- | ---: | --- | --- |",
     ]
     for r in figs.get("records", []):
         phases = np.asarray(r["phase_s"])
         slowest = np.argsort(phases)[::-1][: _exchanges(r)]
         shown = ", ".join(f"{phases[i]:.3f} (step {i})" for i in slowest) if len(phases) > 1 else ""
         runs = ", ".join(f"{t:.4f}" for t in r["step_s_runs"])
+        hosts = ", ".join(f"{t:.4f}" for t in r.get("host_step_s") or [])
         cells = [r["nodes"], r["rate"], r["label"], f"{r['step_s']:.4f}", runs,
-                 f"{np.median(phases):.4f}", shown]  # fmt: skip
+                 f"{np.median(phases):.4f}", shown, hosts or "—"]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
